@@ -1,0 +1,12 @@
+"""Float64 ground truth of attention, and the definitions every part of the project shares.
+
+    from reference import attention, attention_tiled, attention_lowp, merge
+"""
+from .contract import Problem, check_attention_args, dtype_name, key_range
+from .lowp import attention_lowp, round_to
+from .merge import merge
+from .naive import attention
+from .tiled import attention_tiled
+
+__all__ = ["attention", "attention_tiled", "attention_lowp", "merge", "round_to", "key_range",
+           "check_attention_args", "dtype_name", "Problem"]

@@ -1,0 +1,196 @@
+"""The attention contract, written once.
+
+Every implementation in this project (the float64 reference, the tiled reference, the
+low-precision emulation, the Numba kernel) and every checker (verify, conformance) takes its
+definitions from this module: argument checking, the visible key range of a query row, and
+dtype names. docs/contract.md explains the same rules with pictures.
+
+    attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
+              kv_lengths=None, window=None, return_lse=False)
+
+    q (B, Hq, Nq, D)   k (B, Hk, Nk, D)   v (B, Hk, Nk, Dv)   ->   out (B, Hq, Nq, Dv), lse (B, Hq, Nq)
+
+Query head h reads key head h // (Hq // Hk). A key j is *visible* to query row i of batch b when
+
+    lo(i) <= j < hi(i)        (key_range: causal, window and kv_lengths; a contiguous interval)
+    and mask[b, h, i, j]      (boolean, True = attend)
+    and bias[b, h, i, j] != -inf
+
+Everything else about a row follows from its visible keys alone: a row with none gives out = 0
+and lse = -inf; an invisible key's values (NaN included) change nothing.
+"""
+from dataclasses import dataclass
+
+CAUSAL_CHOICES = (False, "top_left", "bottom_right")
+
+_CAUSAL_TRUE_MESSAGE = (
+    "causal=True is ambiguous when Nq != Nk; pass causal='top_left' (PyTorch's is_causal: "
+    "query i sees keys j <= i) or causal='bottom_right' (flash-attn >= 2.1: query i sees keys "
+    "j <= i + Nk - Nq, so the last query sees every key). For Nq == Nk both are the same."
+)
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def dtype_name(x):
+    """'float16', 'bfloat16', 'float32', ... for NumPy, ml_dtypes, CuPy and torch arrays."""
+    return str(x.dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The checked, normalised description of one attention call."""
+
+    batch: int
+    heads_q: int
+    heads_k: int
+    n_q: int
+    n_k: int
+    d: int
+    dv: int
+    dtype: str
+    scale: float
+    left: int  # window: keys at most `left` before the diagonal; -1 = unbounded
+    right: int  # keys at most `right` after the diagonal; -1 = unbounded; causal makes it 0
+    bottom_right: bool  # diagonal alignment of causal and window (see key_range)
+    has_mask: bool
+    has_bias: bool
+    has_kv_lengths: bool
+
+    @property
+    def group(self):
+        """Query heads per key head (1: multi-head, Hq: multi-query)."""
+        return self.heads_q // self.heads_k
+
+    @property
+    def banded(self):
+        """True when causal or window limit the keys of a row."""
+        return self.left >= 0 or self.right >= 0
+
+
+def key_range(i, n_q, kv_len, left, right, bottom_right):
+    """Keys lo <= j < hi are visible to query row i (before mask and bias); empty if hi <= lo.
+
+    kv_len is the row's number of keys: Nk, or kv_lengths[b] when given. The diagonal key of
+    row i is i + (kv_len - Nq) under bottom-right alignment and i under top-left. Causal is the
+    window (-1, 0). Plain integer arithmetic: the Numba kernel compiles this same function.
+    """
+    diag = i + (kv_len - n_q if bottom_right else 0)
+    lo = 0
+    hi = kv_len
+    if left >= 0:
+        lo = max(lo, diag - left)
+    if right >= 0:
+        hi = min(hi, diag + right + 1)
+    return lo, hi
+
+
+def _shape4(name, x, expected):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array with shape {expected}, got {type(x).__name__}")
+    if len(x.shape) != 4:
+        raise ValueError(f"{name} must have 4 dimensions {expected}, got shape {tuple(x.shape)}")
+    return tuple(int(s) for s in x.shape)
+
+
+def _check_broadcast(name, x, full):
+    shape = tuple(int(s) for s in x.shape)
+    ok = len(shape) <= 4 and all(s in (1, f) for s, f in zip(shape[::-1], full[::-1]))
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {shape} does not broadcast to (B, Hq, Nq, Nk) = {full}"
+        )
+
+
+def _normalise_causal(causal):
+    if causal is True:
+        raise ValueError(_CAUSAL_TRUE_MESSAGE)
+    if causal is None:
+        return False
+    if causal not in CAUSAL_CHOICES:
+        raise ValueError(f"causal must be one of {CAUSAL_CHOICES}, got {causal!r}")
+    return causal
+
+
+def _normalise_window(window):
+    if window is None:
+        return -1, -1
+    try:
+        left, right = (int(w) for w in window)
+    except (TypeError, ValueError):
+        raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}") from None
+    for side, w in (("left", left), ("right", right)):
+        if w < -1:
+            raise ValueError(f"window {side} must be >= 0, or -1 for unbounded; got {w}")
+    return left, right
+
+
+def check_attention_args(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
+                         kv_lengths=None, window=None, dtypes=FLOAT_DTYPES):
+    """Validate one call against the contract and return its Problem.
+
+    Raises TypeError or ValueError naming the argument and what was expected.
+    """
+    B, Hq, Nq, D = _shape4("q", q, "(B, Hq, Nq, D)")
+    Bk, Hk, Nk, Dk = _shape4("k", k, "(B, Hk, Nk, D)")
+    Bv, Hv, Nv, Dv = _shape4("v", v, "(B, Hk, Nk, Dv)")
+    if Bk != B or Bv != B:
+        raise ValueError(f"batch sizes differ: q has B={B}, k has {Bk}, v has {Bv}")
+    if Dk != D:
+        raise ValueError(f"k must have head dim D={D} like q, got k.shape={(Bk, Hk, Nk, Dk)}")
+    if (Hv, Nv) != (Hk, Nk):
+        raise ValueError(f"v must have (Hk, Nk)={(Hk, Nk)} like k, got v.shape={(Bv, Hv, Nv, Dv)}")
+    if Hk == 0 or Hq % Hk:
+        raise ValueError(f"query heads Hq={Hq} must be a multiple of key heads Hk={Hk}")
+    if D == 0 or Dv == 0:
+        raise ValueError(f"head dims must be >= 1, got D={D}, Dv={Dv}")
+    names = {n: dtype_name(x) for n, x in (("q", q), ("k", k), ("v", v))}
+    for n, dt in names.items():
+        if dt not in dtypes:
+            raise TypeError(f"{n} must have a dtype in {dtypes}, got {dt}")
+    if len(set(names.values())) != 1:
+        raise TypeError(f"q, k and v must share one dtype, got {names}")
+
+    if scale is None:
+        scale = 1.0 / D ** 0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a Python number or None, got {type(scale).__name__}")
+    causal = _normalise_causal(causal)
+    left, right = _normalise_window(window)
+    if causal:
+        right = 0  # causal is the window (-1, 0) intersected with any other window
+    full = (B, Hq, Nq, Nk)
+    if mask is not None:
+        if dtype_name(mask) != "bool":
+            raise TypeError(f"mask must be boolean (True = attend), got dtype {dtype_name(mask)}")
+        _check_broadcast("mask", mask, full)
+    if bias is not None:
+        if dtype_name(bias) not in FLOAT_DTYPES:
+            raise TypeError(f"bias must be a float array, got dtype {dtype_name(bias)}")
+        _check_broadcast("bias", bias, full)
+    if kv_lengths is not None:
+        _check_kv_lengths(kv_lengths, B, Nk)
+    return Problem(B, Hq, Hk, Nq, Nk, D, Dv, names["q"], float(scale), left, right,
+                   causal == "bottom_right" or (not causal and window is not None),
+                   mask is not None, bias is not None, kv_lengths is not None)
+
+
+def _check_kv_lengths(kv_lengths, B, Nk):
+    from ._xp import to_int_list
+
+    shape = tuple(getattr(kv_lengths, "shape", (None,)))
+    if shape != (B,) or "int" not in dtype_name(kv_lengths):
+        raise ValueError(f"kv_lengths must be an integer array of shape (B,)=({B},), "
+                         f"got shape {shape} dtype {getattr(kv_lengths, 'dtype', None)}")
+    bad = [x for x in to_int_list(kv_lengths) if not 0 <= x <= Nk]
+    if bad:
+        raise ValueError(f"kv_lengths must lie in [0, Nk={Nk}], got {bad[:4]}")
+
+
+def row_lengths(problem, kv_lengths):
+    """Per-batch key count as Python ints: kv_lengths[b], or Nk."""
+    from ._xp import to_int_list
+
+    if kv_lengths is None:
+        return [problem.n_k] * problem.batch
+    return to_int_list(kv_lengths)

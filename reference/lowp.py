@@ -1,0 +1,46 @@
+"""The plain same-precision implementation that error bounds are measured against.
+
+A kernel's error is judged against the error that ordinary low-precision arithmetic makes on
+the same inputs (see verify's criterion). This emulates the plainest GPU implementation: the
+inputs as given (already float16 / bfloat16 / float32), scores, softmax and P @ V accumulated
+in float32, P optionally rounded to the input dtype before P @ V (as kernels do to feed matrix
+units), and the output rounded to the input dtype. Rounding is round-to-nearest-even, as the
+hardware does; bfloat16 is derived from the float32 bit pattern, so no extra package is needed
+and it runs on CuPy too.
+"""
+from ._xp import array_namespace
+from .contract import check_attention_args
+from .naive import forward
+
+
+def round_to(x, dtype):
+    """x (float32) rounded to float16 / bfloat16 / float32 by round-to-nearest-even, as float32."""
+    xp = array_namespace(x)
+    x = xp.asarray(x, dtype="float32")
+    if dtype == "float32":
+        return x
+    if dtype == "float16":
+        return x.astype("float16").astype("float32")
+    if dtype == "bfloat16":
+        bits = x.view("uint32")
+        # Add half an ulp of bfloat16, plus one if the kept part is odd (ties to even); NaN kept.
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        rounded = xp.where(xp.isnan(x), bits | 0x00400000, rounded).astype("uint32")
+        return rounded.view("float32")
+    raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype!r}")
+
+
+def attention_lowp(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
+                   window=None, return_lse=False, round_p=True):
+    """Attention as a plain float32-accumulating kernel computes it for inputs of q's dtype.
+
+    Same arguments as reference.attention. Returns out (float32 holding values of q's dtype),
+    and lse (float32) when return_lse. round_p rounds P to the input dtype before P @ V.
+    """
+    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                              kv_lengths=kv_lengths, window=window,
+                              dtypes=("float16", "bfloat16", "float32"))
+    out, lse = forward(pb, q, k, v, mask, bias, kv_lengths, compute="float32",
+                       p_dtype=pb.dtype, round_fn=round_to if round_p else None)
+    out = round_to(out, pb.dtype)
+    return (out, lse) if return_lse else out

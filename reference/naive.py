@@ -1,0 +1,123 @@
+"""Ground truth: attention computed directly, a block of query rows at a time.
+
+For each (batch, key head) and each block of R query rows the scores of all G = Hq // Hk query
+heads of the group are materialised, softmaxed and multiplied by V:
+
+    S = (Q K^T) * scale + bias        (G, R, n)   n = keys visible to the block
+    P = exp(S - rowmax(S))            (G, R, n)
+    out = (P V) / rowsum(P)           (G, R, Dv)
+
+R is chosen so that G * R * n <= CHUNK_ELEMS (R >= 1), so the extra memory is a few arrays of
+CHUNK_ELEMS float64 (32 MiB each) whatever Nq is; only when one row of the group alone is larger
+(G * Nk > CHUNK_ELEMS) does it grow, to a few G * Nk. The outputs are (B, Hq, Nq, Dv) + (B, Hq, Nq).
+
+The same function computes the low-precision emulation (lowp.py) by changing the arithmetic
+dtype: float64 here, float32 there.
+"""
+import numpy as np
+
+from ._xp import array_namespace, quiet
+from .contract import check_attention_args, key_range, row_lengths
+
+CHUNK_ELEMS = 1 << 22
+
+
+def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
+              window=None, return_lse=False):
+    """Exact attention in float64 from the inputs' exact values: the project's ground truth.
+
+    q (B, Hq, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv): NumPy or CuPy arrays of float16,
+    bfloat16, float32 or float64. Returns out (B, Hq, Nq, Dv) float64, and lse (B, Hq, Nq) float64
+    (natural log) when return_lse. See reference.contract for causal, mask, bias, kv_lengths,
+    window and what happens to fully masked rows and non-finite values.
+    """
+    problem = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                                   kv_lengths=kv_lengths, window=window)
+    out, lse = forward(problem, q, k, v, mask, bias, kv_lengths, compute="float64")
+    return (out, lse) if return_lse else out
+
+
+def visible(problem, lo, hi, j0, j1, mask, bias, xp):
+    """Boolean (G, R, n) or (R, n) of visible keys j0 <= j < j1 for rows with ranges lo, hi.
+
+    mask and bias are the block's slices (G, R, n) or None. None means every key is visible.
+    """
+    keep = None
+    if max(lo) > j0 or min(hi) < j1:  # some row of the block does not see all of j0..j1
+        j = xp.arange(j0, j1)
+        keep = (j >= xp.asarray(lo)[:, None]) & (j < xp.asarray(hi)[:, None])
+    for extra in (mask, None if bias is None else bias != -xp.inf):
+        if extra is not None:
+            keep = extra if keep is None else keep & extra
+    return keep
+
+
+def weighted_values(p, keep, v, xp):
+    """P @ V where an invisible key's value, even NaN or inf, contributes nothing.
+
+    p (G, R, n) is already 0 at invisible keys, but 0 * NaN = NaN, so non-finite values are
+    taken out of the product and put back only where their key is visible.
+    """
+    finite = xp.isfinite(v)
+    if bool(finite.all()):
+        return p @ v
+    out = p @ xp.where(finite, v, 0)
+    hits = xp.ones(p.shape, dtype=p.dtype) if keep is None else keep.astype(p.dtype)
+    hits = xp.broadcast_to(hits, p.shape)
+    n_nan = hits @ xp.isnan(v).astype(p.dtype)
+    n_pos = hits @ (v == xp.inf).astype(p.dtype)
+    n_neg = hits @ (v == -xp.inf).astype(p.dtype)
+    out = xp.where(n_pos > 0, xp.inf, out)
+    out = xp.where(n_neg > 0, -xp.inf, out)
+    return xp.where((n_nan > 0) | ((n_pos > 0) & (n_neg > 0)), xp.nan, out)
+
+
+def forward(problem, q, k, v, mask, bias, kv_lengths, compute, p_dtype=None, round_fn=None):
+    """The one direct implementation, in arithmetic dtype `compute`; returns (out, lse).
+
+    round_fn(x, dtype) -> x rounded to `dtype`, used by the low-precision emulation to round P
+    to `p_dtype` before P @ V. Internal: callers check arguments first.
+    """
+    xp = array_namespace(q, k, v)
+    pb = problem
+    B, Hq, Hk, Nq, Nk, G = pb.batch, pb.heads_q, pb.heads_k, pb.n_q, pb.n_k, pb.group
+    out = xp.zeros((B, Hq, Nq, pb.dv), dtype=compute)
+    lse = xp.full((B, Hq, Nq), -xp.inf, dtype=compute)
+    q, k, v = (xp.asarray(x, dtype=compute) for x in (q, k, v))  # no copy if already there
+    full = (B, Hq, Nq, Nk)
+    mask = None if mask is None else xp.broadcast_to(xp.asarray(mask), full)
+    bias = None if bias is None else xp.broadcast_to(xp.asarray(bias).astype(compute), full)
+    scale = np.dtype(compute).type(pb.scale)
+    rows = max(1, CHUNK_ELEMS // max(1, G * Nk))
+    for b, kv_len in enumerate(row_lengths(pb, kv_lengths)):
+        for r0 in range(0, Nq, rows):
+            r1 = min(Nq, r0 + rows)
+            lo, hi = zip(*(key_range(i, Nq, kv_len, pb.left, pb.right, pb.bottom_right)
+                           for i in range(r0, r1)))
+            j0, j1 = max(0, min(lo)), min(kv_len, max(hi))
+            if j1 <= j0:
+                continue  # every row of the block is fully masked: out = 0, lse = -inf
+            for hk in range(Hk):
+                heads = slice(hk * G, (hk + 1) * G)
+                block = (b, heads, slice(r0, r1), slice(j0, j1))
+                keep = visible(pb, lo, hi, j0, j1, None if mask is None else mask[block],
+                               None if bias is None else bias[block], xp)
+                with quiet(xp):
+                    s = q[b, heads, r0:r1] @ k[b, hk, j0:j1].T  # (G, R, n)
+                    s *= scale
+                    if bias is not None:
+                        s += bias[block]
+                    if keep is not None:
+                        s = xp.where(keep, s, -xp.inf)
+                    m = s.max(axis=-1, keepdims=True)  # NaN propagates; -inf: no visible key
+                    m = xp.where(m == -xp.inf, 0, m)  # never exp(-inf - -inf)
+                    s -= m
+                    p = xp.exp(s, out=s)
+                    l = p.sum(axis=-1, keepdims=True)  # noqa: E741
+                    if round_fn is not None:
+                        p = round_fn(p, p_dtype)
+                    o = weighted_values(p, keep, v[b, hk, j0:j1], xp)
+                    out[b, heads, r0:r1] = xp.where(l == 0, 0, o / l)  # NaN l stays NaN
+                    lse[b, heads, r0:r1] = (m + xp.log(l))[..., 0]
+    return out, lse
+
