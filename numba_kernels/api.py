@@ -1,0 +1,184 @@
+"""flash_attention: the contract's entry point for the Numba kernel.
+
+Takes NumPy arrays (copied to the device and back), PyTorch CUDA tensors, CuPy arrays or Numba
+device arrays (used in place through their strides, launched on the caller's current stream),
+and returns the caller's array type. Outputs are fresh arrays; inputs are never written.
+"""
+import numpy as np
+from numba import cuda
+
+from reference.contract import check_attention_args, dtype_name, row_lengths
+from .convert import SIMULATOR
+from .flash_fwd import LOG2E
+from .specs import DTYPES, MAX_HEAD_DIM, build_kernel, choose_spec, launch_grid
+
+NO_DEVICE = ("no CUDA GPU is available. To run the kernel on the CPU, set the environment "
+             "variable NUMBA_ENABLE_CUDASIM=1 before Python starts (the simulator runs one "
+             "Python thread per CUDA thread: tiny sizes only).")
+
+
+def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=None,
+                    window=None, return_lse=False):
+    """FlashAttention-2 forward on the GPU (or the CUDA simulator), per docs/contract.md.
+
+    q (B, Hq, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv): float32, float16 or bfloat16, all one
+    dtype, D and Dv <= 256. causal: False, "top_left" or "bottom_right"; mask: boolean,
+    broadcastable to (B, Hq, Nq, Nk); kv_lengths: (B,) integers; window: (left, right).
+    Returns out (B, Hq, Nq, Dv) in the input dtype, and lse (B, Hq, Nq) float32 (natural log)
+    when return_lse. Arithmetic is float32. Fastest: D and Dv multiples of 16 (others are
+    zero-padded to the next multiple), no mask.
+    """
+    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask,
+                              kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
+    if max(pb.d, pb.dv) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims D={pb.d}, Dv={pb.dv}: this kernel supports at most "
+                         f"{MAX_HEAD_DIM}")
+    io = _io_for(q, k, v, mask, kv_lengths)
+    out = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.dv), pb.dtype)
+    lse = io.empty((pb.batch, pb.heads_q, pb.n_q), "float32")
+    if pb.n_q > 0:
+        spec = choose_spec(pb.d, pb.dv, pb.dtype, mask is not None)
+        blocks, threads, n_tiles = launch_grid(pb.n_q, pb.batch, pb.heads_q, spec)
+        mask_dev, steps = io.mask(mask)
+        lengths = io.lengths(np.asarray(row_lengths(pb, kv_lengths), np.int32))
+        kernel = build_kernel(spec)
+        kernel[blocks, threads, io.stream](
+            io.dev(q), io.dev(k), io.dev(v), mask_dev, lengths, io.dev(out), io.dev(lse),
+            pb.n_q, pb.d, pb.dv, pb.group, pb.heads_q, n_tiles, np.float32(pb.scale * LOG2E),
+            pb.left, pb.right, int(pb.bottom_right), *steps)
+    out, lse = io.result(out), io.result(lse)
+    return (out, lse) if return_lse else out
+
+
+def _kind(x):
+    module = type(x).__module__.split(".")[0]
+    if module == "torch":
+        return "torch"
+    if module == "numpy":
+        return "numpy"
+    if hasattr(x, "__cuda_array_interface__") or hasattr(x, "copy_to_host"):
+        return "cuda"  # CuPy, Numba device arrays (and the simulator's)
+    raise TypeError(f"expected NumPy arrays, torch CUDA tensors or CUDA arrays, got {type(x)}")
+
+
+def _io_for(q, k, v, mask, kv_lengths):
+    kinds = {name: _kind(x) for name, x in (("q", q), ("k", k), ("v", v))}
+    if len(set(kinds.values())) != 1:
+        raise TypeError(f"q, k and v must be the same kind of array, got {kinds}")
+    kind = kinds["q"]
+    if kind == "torch":
+        for name, x in (("q", q), ("k", k), ("v", v), ("mask", mask), ("kv_lengths", kv_lengths)):
+            if x is not None and not x.is_cuda:
+                raise TypeError(f"{name} is a CPU tensor: pass CUDA tensors, or NumPy arrays "
+                                f"(copied to the device and back)")
+    if not cuda.is_available():
+        raise RuntimeError(NO_DEVICE)
+    if kind == "cuda":
+        return _CudaIO(type(q).__module__.startswith("cupy"))
+    return {"numpy": _NumpyIO, "torch": _TorchIO}[kind]()
+
+
+class _NumpyIO:
+    """Host arrays: copied to the device, results copied back."""
+
+    stream = 0
+
+    def dev(self, x):
+        if isinstance(x, _Pending):
+            return x.device
+        if dtype_name(x) == "bfloat16":  # travels as its bit pattern (see convert.py)
+            x = x.view(np.int16)
+        return cuda.to_device(np.ascontiguousarray(x))
+
+    def empty(self, shape, dtype):
+        return _Pending(shape, dtype)
+
+    def mask(self, mask):
+        if mask is None:
+            return cuda.to_device(np.ones((1, 1, 1, 1), np.uint8)), (0, 0, 0, 0)
+        m = np.asarray(mask).reshape((1,) * (4 - mask.ndim) + mask.shape)
+        return cuda.to_device(np.ascontiguousarray(m).view(np.uint8)), _steps(m.shape)
+
+    def lengths(self, host):
+        return cuda.to_device(host)
+
+    def result(self, x):
+        return x.fetch()
+
+
+class _Pending:
+    """An output buffer on the device, to be copied back into a host array of `dtype`."""
+
+    def __init__(self, shape, dtype):
+        self.dtype = dtype
+        self.device = cuda.device_array(shape, np.int16 if dtype == "bfloat16" else dtype)
+
+    def fetch(self):
+        host = self.device.copy_to_host()
+        if self.dtype == "bfloat16":
+            import ml_dtypes
+
+            host = host.view(ml_dtypes.bfloat16)
+        return host
+
+
+class _TorchIO:
+    """torch CUDA tensors, zero copy, on torch's current stream."""
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self.stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+
+    def dev(self, x):
+        if x.dtype == self.torch.bfloat16:
+            x = x.view(self.torch.int16)
+        return cuda.as_cuda_array(x.detach())
+
+    def empty(self, shape, dtype):
+        return self.torch.empty(shape, dtype=getattr(self.torch, dtype), device="cuda")
+
+    def mask(self, mask):
+        if mask is None:
+            mask = self.torch.ones((1, 1, 1, 1), dtype=self.torch.bool, device="cuda")
+        m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        return cuda.as_cuda_array(m.contiguous().view(self.torch.uint8)), _steps(m.shape)
+
+    def lengths(self, host):
+        return cuda.as_cuda_array(self.torch.as_tensor(host, device="cuda"))
+
+    def result(self, x):
+        return x
+
+
+class _CudaIO(_NumpyIO):
+    """CuPy or Numba device arrays (__cuda_array_interface__), zero copy, default stream.
+    Results come back as CuPy arrays when the inputs were CuPy arrays."""
+
+    def __init__(self, cupy_inputs):
+        self.cupy_inputs = cupy_inputs
+
+    def dev(self, x):
+        if isinstance(x, _Pending):
+            return x.device
+        return cuda.as_cuda_array(x) if hasattr(x, "__cuda_array_interface__") else x
+
+    def mask(self, mask):
+        if mask is None:
+            return super().mask(None)
+        m = self.dev(mask)
+        m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        return m.view(np.uint8), _steps(m.shape)
+
+    def result(self, x):
+        if self.cupy_inputs:
+            import cupy
+
+            return cupy.asarray(x.device)
+        return x.device
+
+
+def _steps(shape):
+    """Index multipliers that broadcast a 4-D mask: 0 along its size-1 dimensions."""
+    return tuple(0 if n == 1 else 1 for n in shape)

@@ -1,0 +1,261 @@
+"""The FlashAttention-2 forward kernel, one thread block per (BLOCK_M query rows, batch, head).
+
+Read it beside reference/tiled.py: same algorithm, same names (m_i, l_i, acc, alpha, qk_scale).
+What the tiled reference does with whole-tile NumPy operations, a block does here with
+THREADS = THREADS_M * THREADS_N threads, each owning a register micro-tile:
+
+    rows  ty + i * THREADS_M   for i < TM    (TM = BLOCK_M / THREADS_M)
+    keys  tx + j * THREADS_N   for j < TN    (S = Q K^T, TN = BLOCK_N / THREADS_N)
+    cols  tx + j * THREADS_N   for j < TV    (O = P V,   TV = DV / THREADS_N)
+
+Per key tile a thread does TM * TN * D + TM * TV * BLOCK_N fused multiply-adds, reading
+(TM + TN) * D + (TM + TV) * BLOCK_N words of shared memory: the micro-tile is what keeps the
+arithmetic ahead of the shared-memory loads.
+
+Shared memory (float32; low-precision inputs are converted once, on load):
+    q_t   (D, BLOCK_M + 1)      Q tile transposed, pre-multiplied by qk_scale; loaded once
+    kv_s  K tile transposed (D, BLOCK_N + 1), then the V tile (BLOCK_N, DV) in the same words
+    p_t   (BLOCK_N, BLOCK_M + 1) P tile transposed
+    row_max, row_sum (BLOCK_M, THREADS_N): partial row statistics, one column per tx
+The "+ 1" words: loads write a column of a transposed tile (consecutive threads take
+consecutive d); with an odd row width those words fall in different banks. V and P are read
+along rows by the threads of a warp (consecutive words), so V needs no pad.
+
+All sizes are closure ints of the factory: the CUDA compiler needs literal shared-array shapes.
+"""
+import math
+from dataclasses import dataclass
+
+from numba import cuda, float32, int64
+
+from reference.contract import key_range
+from .convert import CONVERTERS
+
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E): exp2 is one ex2.approx instruction
+LN2 = 0.6931471805599453
+# Fused multiply-add, approximate exp2/log2 and reciprocal. Not nnan/ninf: -inf marks masked
+# scores and NaN must propagate, so the compiler may not assume them away.
+FASTMATH = {"contract", "afn", "arcp"}
+STATIC_SHARED_LIMIT = 48 * 1024  # bytes; above it numba-cuda needs dynamic shared memory
+
+key_range_device = cuda.jit(device=True, inline=True)(key_range)  # the contract's own code
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One compiled variant: everything here is a compile-time constant of the kernel."""
+
+    d: int  # head dim of q and k, zero-padded to one of specs.HEAD_DIMS
+    dv: int  # head dim of v, padded likewise
+    dtype: str  # "float32", "float16" or "bfloat16"
+    has_mask: bool
+    block_m: int
+    block_n: int
+    threads_m: int
+    threads_n: int
+
+    @property
+    def threads(self):
+        return self.threads_m * self.threads_n
+
+    @property
+    def shared_bytes(self):
+        kv = max(self.d * (self.block_n + 1), self.block_n * self.dv)
+        return 4 * (self.d * (self.block_m + 1) + kv + self.block_n * (self.block_m + 1)
+                    + 2 * self.block_m * self.threads_n)
+
+    def check(self):
+        ok = (self.block_m % self.threads_m == 0 and self.block_n % self.threads_n == 0
+              and self.dv % self.threads_n == 0 and self.shared_bytes <= STATIC_SHARED_LIMIT)
+        if not ok:
+            raise ValueError(f"inconsistent kernel spec {self}")
+        return self
+
+
+def kernel_source(spec):
+    """The kernel as a Python function, for cuda.jit or cuda.compile_ptx."""
+    spec.check()
+    BLOCK_M, BLOCK_N, D, DV = spec.block_m, spec.block_n, spec.d, spec.dv
+    THREADS_M, THREADS_N, THREADS = spec.threads_m, spec.threads_n, spec.threads
+    TM, TN, TV = BLOCK_M // THREADS_M, BLOCK_N // THREADS_N, DV // THREADS_N
+    Q_W, K_W, P_W = BLOCK_M + 1, BLOCK_N + 1, BLOCK_M + 1
+    KV_WORDS = max(D * K_W, BLOCK_N * DV)
+    HAS_MASK = spec.has_mask
+    load, store, _ = CONVERTERS[spec.dtype]
+    ZERO, ONE, NEG_INF = float32(0.0), float32(1.0), float32(-math.inf)
+    F_LN2 = float32(LN2)
+
+    @cuda.jit(device=True, inline=True)
+    def visible(mask, b, h, row, col, lo, hi, interior, n_q, msb, msh, msi, msj):
+        """Does query row `row` see key `col`? (contract: key_range, then the boolean mask)"""
+        ok = row < n_q and (interior or (col >= lo and col < hi))
+        if HAS_MASK and ok:
+            ok = mask[b * msb, h * msh, row * msi, col * msj] != 0
+        return ok
+
+    def flash_fwd(q, k, v, mask, kv_lengths, out, lse, n_q, d, dv, group, heads_q, n_tiles,
+                  qk_scale, left, right, bottom_right, msb, msh, msi, msj):
+        q_t = cuda.shared.array((D, Q_W), float32)
+        kv_s = cuda.shared.array(KV_WORDS, float32)
+        p_t = cuda.shared.array((BLOCK_N, P_W), float32)
+        row_max = cuda.shared.array((BLOCK_M, THREADS_N), float32)
+        row_sum = cuda.shared.array((BLOCK_M, THREADS_N), float32)
+        m_i = cuda.local.array(TM, float32)  # running max of scores (log2 units), per row
+        l_i = cuda.local.array(TM, float32)  # running sum of exp2(s - m_i)
+        acc = cuda.local.array((TM, TV), float32)  # running sum of exp2(s - m_i) * v
+        lo = cuda.local.array(TM, int64)  # each row's visible keys lo <= j < hi
+        hi = cuda.local.array(TM, int64)
+        s = cuda.local.array((TM, TN), float32)
+        a = cuda.local.array(TM, float32)
+        bb = cuda.local.array(TV if TV > TN else TN, float32)
+
+        tid = cuda.threadIdx.x
+        ty = tid // THREADS_N
+        tx = tid % THREADS_N
+        # Consecutive blocks share a (batch, head), so its K and V stay in L2. The last query
+        # tile goes first: under causal masks it has the most keys, and it should not run last.
+        bh = int64(cuda.blockIdx.x) // n_tiles
+        tile = n_tiles - 1 - int64(cuda.blockIdx.x) % n_tiles
+        b = bh // heads_q
+        h = bh % heads_q
+        hk = h // group  # grouped-query attention: query head h reads key head h // group
+        start_m = tile * BLOCK_M
+        kv_len = int64(kv_lengths[b])
+
+        # Q tile, loaded once and reused against every key tile. Coalesced: consecutive
+        # threads read consecutive d of one row. Scaled here so S needs no multiply.
+        for idx in range(tid, BLOCK_M * D, THREADS):
+            r = idx // D
+            c = idx % D
+            x = ZERO
+            if start_m + r < n_q and c < d:
+                x = load(q[b, h, start_m + r, c]) * qk_scale
+            q_t[c, r] = x
+
+        for i in range(TM):
+            m_i[i] = NEG_INF
+            l_i[i] = ZERO
+            for j in range(TV):
+                acc[i, j] = ZERO
+            lo[i], hi[i] = key_range_device(start_m + ty + i * THREADS_M, n_q, kv_len,
+                                            left, right, bottom_right)
+        # key_range is monotone in the row, so the block's first and last rows bound the
+        # tiles it must visit: the tiles outside the causal/window band are never computed.
+        last_row = min(start_m + BLOCK_M, n_q) - 1
+        lo_first, hi_first = key_range_device(start_m, n_q, kv_len, left, right, bottom_right)
+        lo_last, hi_last = key_range_device(last_row, n_q, kv_len, left, right, bottom_right)
+        first_n = max(lo_first, 0) // BLOCK_N * BLOCK_N
+        end_n = min(hi_last, kv_len)
+
+        for start_n in range(first_n, end_n, BLOCK_N):
+            # A tile every row sees whole needs no per-key band test.
+            interior = start_n >= lo_last and start_n + BLOCK_N <= hi_first
+            # Barrier: the previous tile's reads of kv_s (V) and p_t are finished before K
+            # overwrites them; on the first tile, q_t's writes become visible.
+            cuda.syncthreads()
+            for idx in range(tid, BLOCK_N * D, THREADS):
+                n = idx // D
+                c = idx % D
+                x = ZERO  # zero-fill the tail tile and the head-dim padding
+                if start_n + n < end_n and c < d:
+                    x = load(k[b, hk, start_n + n, c])
+                kv_s[c * K_W + n] = x
+            cuda.syncthreads()  # Barrier: the K tile is complete before anyone reads it.
+
+            # S = Q K^T for this thread's TM x TN micro-tile (qk_scale already in Q).
+            for i in range(TM):
+                for j in range(TN):
+                    s[i, j] = ZERO
+            for c in range(D):
+                for i in range(TM):
+                    a[i] = q_t[c, ty + i * THREADS_M]
+                for j in range(TN):
+                    bb[j] = kv_s[c * K_W + tx + j * THREADS_N]
+                for i in range(TM):
+                    for j in range(TN):
+                        s[i, j] += a[i] * bb[j]
+
+            # Masked scores become -inf by selection (a NaN score of a hidden key must vanish).
+            for i in range(TM):
+                row = start_m + ty + i * THREADS_M
+                tile_max = NEG_INF
+                for j in range(TN):
+                    col = start_n + tx + j * THREADS_N
+                    if not visible(mask, b, h, row, col, lo[i], hi[i], interior, n_q,
+                                   msb, msh, msi, msj):
+                        s[i, j] = NEG_INF
+                    tile_max = max(tile_max, s[i, j])
+                row_max[ty + i * THREADS_M, tx] = tile_max
+            cuda.syncthreads()  # Barrier: all partial row maxima are written.
+
+            for i in range(TM):
+                r = ty + i * THREADS_M
+                m_new = m_i[i]
+                for t in range(THREADS_N):
+                    m_new = max(m_new, row_max[r, t])
+                m_safe = ZERO if m_new == NEG_INF else m_new  # fully masked: no exp2(-inf + inf)
+                alpha = math.exp2(m_i[i] - m_safe)  # rescales what was summed under the old max
+                partial = ZERO
+                for j in range(TN):
+                    p = math.exp2(s[i, j] - m_safe)  # hidden keys: exp2(-inf) = 0; NaN stays
+                    partial += p
+                    p_t[tx + j * THREADS_N, r] = p
+                row_sum[r, tx] = partial
+                l_i[i] *= alpha
+                for j in range(TV):
+                    acc[i, j] *= alpha
+                m_i[i] = m_new
+            # Barrier: P and the partial sums are written, and every read of K is done, so
+            # V may take its place.
+            cuda.syncthreads()
+
+            bad = 0
+            for idx in range(tid, BLOCK_N * DV, THREADS):
+                n = idx // DV
+                c = idx % DV
+                x = ZERO
+                if start_n + n < end_n and c < dv:
+                    x = load(v[b, hk, start_n + n, c])
+                if x - x != ZERO:  # inf or NaN
+                    bad = 1
+                kv_s[n * DV + c] = x
+            # Barrier: the V tile is complete. It also tells every thread whether any thread
+            # loaded a non-finite value, so the whole block takes the same path below.
+            v_bad = cuda.syncthreads_or(bad)
+
+            for i in range(TM):
+                r = ty + i * THREADS_M
+                for t in range(THREADS_N):
+                    l_i[i] += row_sum[r, t]
+            # O += P V for this thread's TM x TV micro-tile.
+            for n in range(BLOCK_N):
+                for i in range(TM):
+                    a[i] = p_t[n, ty + i * THREADS_M]
+                for j in range(TV):
+                    bb[j] = kv_s[n * DV + tx + j * THREADS_N]
+                if not v_bad:
+                    for i in range(TM):
+                        for j in range(TV):
+                            acc[i, j] += a[i] * bb[j]
+                else:
+                    # A hidden key has p = 0, but 0 * NaN = NaN: add only what the row sees.
+                    for i in range(TM):
+                        if visible(mask, b, h, start_m + ty + i * THREADS_M, start_n + n,
+                                   lo[i], hi[i], interior, n_q, msb, msh, msi, msj):
+                            for j in range(TV):
+                                acc[i, j] += a[i] * bb[j]
+
+        # out = acc / l_i; a row that saw no key has l_i = 0 and gives out = 0, lse = -inf.
+        for i in range(TM):
+            row = start_m + ty + i * THREADS_M
+            if row < n_q:
+                empty = l_i[i] == ZERO
+                inv_l = ZERO if empty else ONE / l_i[i]
+                for j in range(TV):
+                    c = tx + j * THREADS_N
+                    if c < dv:
+                        out[b, h, row, c] = store(ZERO if empty else acc[i, j] * inv_l)
+                if tx == 0:
+                    lse[b, h, row] = NEG_INF if empty else (m_i[i] + math.log2(l_i[i])) * F_LN2
+
+    return flash_fwd

@@ -1,0 +1,107 @@
+"""Compile every shipped kernel variant for a real GPU, on any machine, and check the result.
+
+    python -m numba_kernels.ptx_report [--cc 9.0] [--jobs 2] [--json PATH]
+
+For each variant: numba.cuda.compile_ptx for the compute capability, then `ptxas -v`, which
+reports registers, spills, stack frame and shared memory. A variant fails when it spills,
+needs a stack frame (arrays that fell out of registers into local memory), uses more static
+shared memory than 48 KB, or has a float64 instruction in its PTX (a bare Python float turns
+float32 arithmetic into float64). The CUDA simulator cannot show any of this.
+Exit code 0 only when every variant passes.
+"""
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+
+STATIC_SHARED_LIMIT = 48 * 1024
+
+
+def find_ptxas():
+    """ptxas of the same CUDA release as the NVVM that wrote the PTX, else the one on PATH."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations if spec else []):
+        for path in sorted(glob.glob(os.path.join(root, "cu*", "bin", "ptxas")), reverse=True):
+            return path
+    found = shutil.which("ptxas")
+    if not found:
+        raise RuntimeError("ptxas not found: pip install 'flash-conformance[cu13]' (it brings "
+                           "nvidia-cuda-nvcc), or put a CUDA toolkit's bin folder on PATH")
+    return found
+
+
+def check_variant(args):
+    spec, cc, ptxas = args
+    from numba_kernels.specs import compile_ptx
+
+    ptx = compile_ptx(spec, cc)
+    f64 = len(re.findall(r"\.f64\b", ptx))
+    arch = f"sm_{cc[0]}{cc[1]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", path + ".cubin"],
+                             capture_output=True, text=True)
+    text = run.stdout + run.stderr
+    if run.returncode != 0:
+        return dict(spec=repr(spec), ok=False, error=text.strip()[-500:])
+
+    def number(pattern):
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else 0
+
+    row = dict(spec=repr(spec), registers=number(r"Used (\d+) registers"),
+               spill_stores=number(r"(\d+) bytes spill stores"),
+               spill_loads=number(r"(\d+) bytes spill loads"),
+               stack_frame=number(r"(\d+) bytes stack frame"),
+               shared=number(r"(\d+) bytes smem"), f64_instructions=f64)
+    problems = [k for k in ("spill_stores", "spill_loads", "stack_frame", "f64_instructions")
+                if row[k]]
+    if row["shared"] > STATIC_SHARED_LIMIT:
+        problems.append("shared")
+    row.update(ok=not problems, problems=problems)
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cc", default="9.0", help="compute capability, e.g. 9.0 (default)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--json", help="write the per-variant figures here")
+    a = ap.parse_args(argv)
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        sys.exit("unset NUMBA_ENABLE_CUDASIM: the simulator cannot compile PTX")
+    from numba_kernels.specs import shipped_specs
+
+    cc = tuple(int(x) for x in a.cc.split("."))
+    ptxas = find_ptxas()
+    specs = shipped_specs()
+    print(f"compiling {len(specs)} variants for sm_{cc[0]}{cc[1]} with {ptxas}", flush=True)
+    rows = []
+    with ProcessPoolExecutor(a.jobs) as pool:
+        for i, row in enumerate(pool.map(check_variant, [(s, cc, ptxas) for s in specs])):
+            rows.append(row)
+            status = "ok" if row["ok"] else "FAIL " + ",".join(row.get("problems", ["ptxas"]))
+            figures = row.get("error") or (f"{row['registers']:3d} regs {row['shared']:6d} B smem "
+                                           f"stack {row['stack_frame']} spills "
+                                           f"{row['spill_stores']}/{row['spill_loads']}")
+            print(f"[{i + 1}/{len(specs)}] {row['spec']}: {figures} {status}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    failed = [r for r in rows if not r["ok"]]
+    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Which compiled variant serves a call, the launch grid, and the variants we ship.
+
+Tile sizes are bounded by static shared memory (48 KB a block, see KernelSpec.shared_bytes):
+the Q tile and the K tile are D words per row, so larger head dims take smaller tiles.
+"""
+from functools import lru_cache
+
+from numba import cuda, float32, int16, int32, int64, uint8
+from numba.types import float16
+
+from .convert import CONVERTERS, SIMULATOR
+from .flash_fwd import FASTMATH, KernelSpec, kernel_source
+
+MAX_HEAD_DIM = 256
+# D and Dv are zero-padded up to the next of these (the padding costs FLOPs, not accuracy).
+HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+DTYPES = ("float32", "float16", "bfloat16")
+
+# padded D up to -> (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N)
+TILES = [
+    (64, (64, 32, 16, 8)),
+    (128, (32, 32, 8, 8)),
+    (256, (16, 16, 4, 16)),  # TV = 16 output columns a thread: 32 would spill
+]
+
+
+def pad(n):
+    return next(d for d in HEAD_DIMS if d >= n)
+
+
+def choose_spec(d, dv, dtype, has_mask):
+    """The variant for head dims d, dv (unpadded), input dtype, and whether a mask is given."""
+    d_pad, dv_pad = pad(d), pad(dv)
+    widest = max(d_pad, dv_pad)
+    tiles = next(t for limit, t in TILES if widest <= limit)
+    return KernelSpec(d_pad, dv_pad, dtype, has_mask, *tiles).check()
+
+
+def shipped_specs():
+    """Every variant a call with D == Dv can select: CI compiles each of them for sm_90."""
+    return [choose_spec(d, d, dtype, has_mask)
+            for d in HEAD_DIMS for dtype in DTYPES for has_mask in (False, True)]
+
+
+_NUMBA_TYPES = {"float32": float32, "float16": float16, "int16": int16}
+
+
+def signature(spec):
+    """Argument types of the kernel for `spec` (any-layout arrays: strided inputs are fine)."""
+    elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
+    arr4 = elem[:, :, :, :]
+    return (arr4, arr4, arr4, uint8[:, :, :, :], int32[:], arr4, float32[:, :, :],
+            int64, int64, int64, int64, int64, int64, float32, int64, int64, int64,
+            int64, int64, int64, int64)
+
+
+@lru_cache(maxsize=None)
+def build_kernel(spec):
+    """The compiled kernel for `spec`, compiled once per process for its one signature."""
+    fn = kernel_source(spec)
+    if SIMULATOR:  # the simulator takes no signatures and ignores fastmath
+        return cuda.jit(fn)
+    return cuda.jit(signature(spec), fastmath=FASTMATH)(fn)
+
+
+def launch_grid(n_q, batch, heads_q, spec):
+    """(blocks, threads_per_block, n_tiles): one block per (query tile, batch, head), 1-D."""
+    n_tiles = -(-n_q // spec.block_m)
+    blocks = n_tiles * batch * heads_q
+    if blocks >= 2**31:
+        raise ValueError(f"{blocks} thread blocks exceed the grid limit 2**31 - 1")
+    return blocks, spec.threads, n_tiles
+
+
+def compile_ptx(spec, cc=(9, 0)):
+    """PTX of `spec` for compute capability cc, compiled on any machine (no GPU needed)."""
+    return cuda.compile_ptx(kernel_source(spec), signature(spec), cc=cc, fastmath=FASTMATH)[0]

@@ -1,0 +1,171 @@
+"""The Numba kernel against the reference, under the project's error criterion.
+
+Without a GPU this runs in the CUDA simulator (tests/conftest.py), so sizes are tiny; the
+sizes are still chosen around the tiles of the variants they select (BLOCK_M = 64, BLOCK_N = 32
+for D <= 64; 32 x 32 up to 128; 16 x 16 up to 256). scripts/gpu_check.py runs the large battery
+on a GPU.
+"""
+import zlib
+
+import numpy as np
+import pytest
+
+from numba_kernels import api, flash_attention
+from verify.criterion import judge
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def inputs(seed, B=1, Hq=2, Hk=1, Nq=5, Nk=7, D=16, Dv=None, dtype="float32"):
+    rng = np.random.default_rng(seed)
+    t = NP_DTYPES[dtype]
+    return (rng.standard_normal((B, Hq, Nq, D)).astype(t),
+            rng.standard_normal((B, Hk, Nk, D)).astype(t),
+            rng.standard_normal((B, Hk, Nk, Dv or D)).astype(t))
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every output buffer starts as NaN, so an element the kernel never writes shows up."""
+    original = api._Pending.__init__
+
+    def init(self, shape, dtype):
+        original(self, shape, dtype)
+        fill = np.full(shape, np.nan, np.float32).astype(self.device.dtype) \
+            if dtype != "bfloat16" else np.full(shape, 0x7FC0, np.int16)
+        self.device.copy_to_device(fill)
+
+    monkeypatch.setattr(api._Pending, "__init__", init)
+
+
+def check(q, k, v, **options):
+    out, lse = flash_attention(q, k, v, return_lse=True, **options)
+    assert out.dtype == q.dtype and lse.dtype == np.float32
+    assert out.shape == q.shape[:3] + v.shape[3:] and lse.shape == q.shape[:3]
+    for c in judge(q, k, v, out, lse, **options):
+        assert c.passed, c.message()
+    return out, lse
+
+
+CASES = {  # name: (input shape arguments, options)
+    "tails": (dict(Nq=65, Nk=33), {}),
+    "one-each": (dict(Nq=1, Nk=1), {}),
+    "causal-top-left-Nq<Nk": (dict(Nq=31, Nk=45), dict(causal="top_left")),
+    "causal-bottom-right-Nq>Nk": (dict(Nq=45, Nk=31), dict(causal="bottom_right")),
+    "causal-bottom-right-Nq<Nk": (dict(Nq=7, Nk=64), dict(causal="bottom_right")),
+    "window": (dict(Nq=40, Nk=40), dict(window=(3, 2))),
+    "window-0-0": (dict(Nq=9, Nk=9), dict(window=(0, 0))),
+    "gqa-dv": (dict(Hq=4, Hk=2, Nq=9, Nk=33, D=16, Dv=24), dict(causal="top_left")),
+    "mqa-d1": (dict(Hq=3, Hk=1, Nq=6, Nk=5, D=1, Dv=3), {}),
+    "kv-lengths": (dict(B=3, Nq=6, Nk=34), dict(kv_lengths=np.array([0, 5, 34]),
+                                               causal="bottom_right")),
+    "mask-broadcast": (dict(B=2, Nq=9, Nk=35), "mask"),
+    "d40-scale": (dict(Nq=9, Nk=12, D=40), dict(scale=0.05)),
+    "d96": (dict(Hq=1, Nq=33, Nk=33, D=96), dict(causal="bottom_right")),
+    "d256-dv200": (dict(Hq=1, Nq=17, Nk=17, D=256, Dv=200), dict(causal="top_left")),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_against_reference(name, poisoned):
+    shape, options = CASES[name]
+    q, k, v = inputs(zlib.crc32(name.encode()), **shape)
+    if options == "mask":
+        rng = np.random.default_rng(0)
+        mask = rng.random((q.shape[2], k.shape[2])) < 0.5
+        mask[2] = False  # a fully masked row
+        mask[3] = False
+        mask[3, -1] = True  # a single visible key, in the tail tile
+        options = dict(mask=mask)
+    out, lse = check(q, k, v, **options)
+    if name == "mask-broadcast":
+        assert (out[:, :, 2] == 0).all() and (lse[:, :, 2] == -np.inf).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_inputs(dtype, poisoned):
+    q, k, v = inputs(1, Nq=33, Nk=40, dtype=dtype)
+    check(q, k, v, causal="bottom_right")
+
+
+def test_invisible_garbage_changes_nothing():
+    q, k, v = inputs(2, B=2, Nq=5, Nk=36)
+    lengths = np.array([3, 33])
+    clean = flash_attention(q, k, v, kv_lengths=lengths, return_lse=True)
+    k2, v2 = k.copy(), v.copy()
+    k2[0, :, 3:], v2[0, :, 3:] = np.nan, np.inf  # padding past kv_lengths
+    k2[1, :, 33:], v2[1, :, 33:] = -np.inf, np.nan
+    q2 = q.copy()
+    got = flash_attention(q2, k2, v2, kv_lengths=lengths, return_lse=True)
+    for a, b in zip(got, clean):
+        assert np.array_equal(a, b, equal_nan=False)
+    # Masked by causal inside a tile: key 4 is hidden from rows 0..3 (top-left).
+    v3 = v.copy()
+    v3[:, :, 4, 0] = np.nan
+    out, lse = flash_attention(q, k, v3, causal="top_left", return_lse=True)
+    assert np.isfinite(out[:, :, :4]).all() and np.isnan(out[:, :, 4, 0]).all()
+    assert np.isfinite(out[:, :, 4, 1:]).all() and np.isfinite(lse).all()
+    check(q, k, v3, causal="top_left")
+
+
+def test_nan_in_a_visible_key_reaches_its_rows():
+    q, k, v = inputs(3, Nq=6, Nk=6)
+    k[0, 0, 2, 5] = np.nan
+    out, lse = check(q, k, v, causal="top_left")
+    assert np.isnan(out[0, :, 2:]).all() and np.isfinite(out[0, :, :2]).all()
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0)], ids=["Nq=0", "Nk=0"])
+def test_empty(shape):
+    q, k, v = inputs(4, Nq=shape[0], Nk=shape[1])
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    assert out.shape == (1, 2, shape[0], 16) and (out == 0).all() and (lse == -np.inf).all()
+
+
+def test_strided_inputs_deterministic_and_untouched():
+    rng = np.random.default_rng(5)
+    # (B, N, H, D) storage viewed as (B, H, N, D): non-contiguous.
+    q = rng.standard_normal((1, 20, 2, 16)).astype(np.float32).transpose(0, 2, 1, 3)
+    k = rng.standard_normal((1, 33, 1, 16)).astype(np.float32).transpose(0, 2, 1, 3)
+    v = rng.standard_normal((1, 33, 1, 16)).astype(np.float32).transpose(0, 2, 1, 3)
+    before = [x.copy() for x in (q, k, v)]
+    a = check(q, k, v)
+    b = flash_attention(q, k, v, return_lse=True)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b)), "two runs differ"
+    assert all(np.array_equal(x, y) for x, y in zip((q, k, v), before)), "inputs were written"
+
+
+BAD = {
+    "head-dim": (dict(D=300), {}, ValueError, "at most 256"),
+    "float64": ("float64", {}, TypeError, "dtype in"),
+    "causal-true": ({}, dict(causal=True), ValueError, "top_left"),
+    "mask-shape": ({}, dict(mask=np.ones((3, 3), bool)), ValueError, "does not broadcast"),
+    "lengths-range": ({}, dict(kv_lengths=np.array([9])), ValueError, "lie in"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input(case):
+    shape, options, err, pattern = BAD[case]
+    if shape == "float64":
+        q, k, v = (x.astype(np.float64) for x in inputs(0))
+    else:
+        q, k, v = inputs(0, **shape)
+    with pytest.raises(err, match=pattern):
+        flash_attention(q, k, v, **options)
+
+
+def test_mixed_array_kinds_rejected():
+    from numba import cuda
+
+    q, k, v = inputs(0)
+    with pytest.raises(TypeError, match="same kind of array"):
+        flash_attention(q, cuda.to_device(k), v)
+
+
+def test_torch_cpu_tensor_rejected():
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.from_numpy(x) for x in inputs(0))
+    with pytest.raises(TypeError, match="q is a CPU tensor"):
+        flash_attention(q, k, v)

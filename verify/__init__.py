@@ -1,0 +1,1 @@
+"""verify: certify any attention kernel against the float64 reference."""
