@@ -56,11 +56,12 @@ def signature(spec):
 
 @lru_cache(maxsize=None)
 def build_kernel(spec):
-    """The compiled kernel for `spec`, compiled once per process for its one signature."""
+    """The kernel for `spec`. Numba compiles it at the first launch for the argument types it
+    sees (contiguous or strided arrays) and keeps each compiled version for the process."""
     fn = kernel_source(spec)
-    if SIMULATOR:  # the simulator takes no signatures and ignores fastmath
+    if SIMULATOR:  # the simulator ignores fastmath
         return cuda.jit(fn)
-    return cuda.jit(signature(spec), fastmath=FASTMATH)(fn)
+    return cuda.jit(fastmath=FASTMATH)(fn)
 
 
 def launch_grid(n_q, batch, heads_q, spec):
