@@ -18,7 +18,7 @@ NO_DEVICE = ("no CUDA GPU is available. To run the kernel on the CPU, set the en
 
 
 def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=None,
-                    window=None, return_lse=False):
+                    window=None, return_lse=False, spec=None):
     """FlashAttention-2 forward on the GPU (or the CUDA simulator), per docs/contract.md.
 
     q (B, Hq, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv): float32, float16 or bfloat16, all one
@@ -26,7 +26,8 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=
     broadcastable to (B, Hq, Nq, Nk); kv_lengths: (B,) integers; window: (left, right).
     Returns out (B, Hq, Nq, Dv) in the input dtype, and lse (B, Hq, Nq) float32 (natural log)
     when return_lse. Arithmetic is float32. Fastest: D and Dv multiples of 16 (others are
-    zero-padded to the next multiple), no mask.
+    zero-padded to the next of specs.HEAD_DIMS), no mask. spec: a KernelSpec that forces one
+    variant (for benchmarks); by default specs.choose_spec picks it.
     """
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
@@ -37,7 +38,11 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=
     out = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.dv), pb.dtype)
     lse = io.empty((pb.batch, pb.heads_q, pb.n_q), "float32")
     if pb.n_q > 0:
-        spec = choose_spec(pb.d, pb.dv, pb.dtype, mask is not None)
+        spec = spec or choose_spec(pb.d, pb.dv, pb.dtype, mask is not None)
+        if spec.d < pb.d or spec.dv < pb.dv or spec.dtype != pb.dtype \
+                or spec.has_mask != (mask is not None):
+            raise ValueError(f"spec {spec} does not fit D={pb.d}, Dv={pb.dv}, {pb.dtype}, "
+                             f"mask={'yes' if mask is not None else 'no'}")
         blocks, threads, n_tiles = launch_grid(pb.n_q, pb.batch, pb.heads_q, spec)
         mask_dev, steps = io.mask(mask)
         lengths = io.lengths(np.asarray(row_lengths(pb, kv_lengths), np.int32))

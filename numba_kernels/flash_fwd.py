@@ -13,7 +13,7 @@ Per key tile a thread does TM * TN * D + TM * TV * BLOCK_N fused multiply-adds, 
 arithmetic ahead of the shared-memory loads.
 
 Shared memory (float32; low-precision inputs are converted once, on load):
-    q_t   (D, BLOCK_M + 1)      Q tile transposed, pre-multiplied by qk_scale; loaded once
+    q_t   Q tile transposed (D, BLOCK_M + 1), pre-multiplied by qk_scale; loaded once
     kv_s  K tile transposed (D, BLOCK_N + 1), then the V tile (BLOCK_N, DV) in the same words
     p_t   (BLOCK_N, BLOCK_M + 1) P tile transposed
     row_max, row_sum (BLOCK_M, THREADS_N): partial row statistics, one column per tx
@@ -53,6 +53,7 @@ class KernelSpec:
     block_n: int
     threads_m: int
     threads_n: int
+    max_registers: int = 0  # a cap for the compiler (more blocks per SM); 0: its own choice
 
     @property
     def threads(self):
@@ -66,10 +67,50 @@ class KernelSpec:
 
     def check(self):
         ok = (self.block_m % self.threads_m == 0 and self.block_n % self.threads_n == 0
-              and self.dv % self.threads_n == 0 and self.shared_bytes <= STATIC_SHARED_LIMIT)
+              and self.dv % self.threads_n == 0 and self.shared_bytes <= STATIC_SHARED_LIMIT
+              and all(n % self.threads == 0 for n in (self.block_m * self.d,
+                                                      self.block_n * self.d,
+                                                      self.block_n * self.dv)))
         if not ok:
             raise ValueError(f"inconsistent kernel spec {self}")
         return self
+
+
+def tile_loader(load, ROWS, COLS, THREADS, ROW_STRIDE, COL_STRIDE):
+    """A device function copying a ROWS x COLS tile of a (B, H, N, C) array into shared memory.
+
+    Element (r, c) of the tile goes to dst[r * ROW_STRIDE + c * COL_STRIDE] (transposed when
+    COL_STRIDE > 1), times `scale`; rows >= rows_valid and columns >= cols_valid become 0.
+    Consecutive threads take consecutive columns, so global reads are coalesced. The loads of a
+    batch are all issued before any store: out-of-range indices are clamped rather than
+    branched around, so nothing orders the loads and their latencies overlap. Returns 1 if
+    this thread loaded a NaN or an inf, else 0.
+    """
+    ITERS = ROWS * COLS // THREADS
+    BATCH = next(n for n in (8, 4, 2, 1) if ITERS % n == 0)
+    ZERO = float32(0.0)
+
+    @cuda.jit(device=True, inline=True)
+    def load_tile(src, b, h, row0, rows_valid, cols_valid, dst, scale):
+        tid = cuda.threadIdx.x
+        stage = cuda.local.array(BATCH, float32)
+        bad = 0
+        for batch in range(ITERS // BATCH):
+            for it in range(BATCH):
+                idx = tid + (batch * BATCH + it) * THREADS
+                r = idx // COLS
+                c = idx % COLS
+                x = load(src[b, h, row0 + min(r, rows_valid - 1), min(c, cols_valid - 1)])
+                stage[it] = x * scale if r < rows_valid and c < cols_valid else ZERO
+            for it in range(BATCH):
+                idx = tid + (batch * BATCH + it) * THREADS
+                x = stage[it]
+                if x - x != ZERO:  # inf or NaN
+                    bad = 1
+                dst[(idx // COLS) * ROW_STRIDE + (idx % COLS) * COL_STRIDE] = x
+        return bad
+
+    return load_tile
 
 
 def kernel_source(spec):
@@ -79,9 +120,12 @@ def kernel_source(spec):
     THREADS_M, THREADS_N, THREADS = spec.threads_m, spec.threads_n, spec.threads
     TM, TN, TV = BLOCK_M // THREADS_M, BLOCK_N // THREADS_N, DV // THREADS_N
     Q_W, K_W, P_W = BLOCK_M + 1, BLOCK_N + 1, BLOCK_M + 1
-    KV_WORDS = max(D * K_W, BLOCK_N * DV)
+    Q_WORDS, KV_WORDS = D * Q_W, max(D * K_W, BLOCK_N * DV)
     HAS_MASK = spec.has_mask
     load, store, _ = CONVERTERS[spec.dtype]
+    load_q = tile_loader(load, BLOCK_M, D, THREADS, 1, Q_W)  # transposed: q_t[c * Q_W + r]
+    load_k = tile_loader(load, BLOCK_N, D, THREADS, 1, K_W)  # transposed: kv_s[c * K_W + n]
+    load_v = tile_loader(load, BLOCK_N, DV, THREADS, DV, 1)  # as is: kv_s[n * DV + c]
     ZERO, ONE, NEG_INF = float32(0.0), float32(1.0), float32(-math.inf)
     F_LN2 = float32(LN2)
 
@@ -95,7 +139,7 @@ def kernel_source(spec):
 
     def flash_fwd(q, k, v, mask, kv_lengths, out, lse, n_q, d, dv, group, heads_q, n_tiles,
                   qk_scale, left, right, bottom_right, msb, msh, msi, msj):
-        q_t = cuda.shared.array((D, Q_W), float32)
+        q_t = cuda.shared.array(Q_WORDS, float32)
         kv_s = cuda.shared.array(KV_WORDS, float32)
         p_t = cuda.shared.array((BLOCK_N, P_W), float32)
         row_max = cuda.shared.array((BLOCK_M, THREADS_N), float32)
@@ -122,15 +166,9 @@ def kernel_source(spec):
         start_m = tile * BLOCK_M
         kv_len = int64(kv_lengths[b])
 
-        # Q tile, loaded once and reused against every key tile. Coalesced: consecutive
-        # threads read consecutive d of one row. Scaled here so S needs no multiply.
-        for idx in range(tid, BLOCK_M * D, THREADS):
-            r = idx // D
-            c = idx % D
-            x = ZERO
-            if start_m + r < n_q and c < d:
-                x = load(q[b, h, start_m + r, c]) * qk_scale
-            q_t[c, r] = x
+        # Q tile, loaded once and reused against every key tile; scaled here so that S
+        # needs no multiply.
+        load_q(q, b, h, start_m, min(BLOCK_M, n_q - start_m), d, q_t, qk_scale)
 
         for i in range(TM):
             m_i[i] = NEG_INF
@@ -153,13 +191,7 @@ def kernel_source(spec):
             # Barrier: the previous tile's reads of kv_s (V) and p_t are finished before K
             # overwrites them; on the first tile, q_t's writes become visible.
             cuda.syncthreads()
-            for idx in range(tid, BLOCK_N * D, THREADS):
-                n = idx // D
-                c = idx % D
-                x = ZERO  # zero-fill the tail tile and the head-dim padding
-                if start_n + n < end_n and c < d:
-                    x = load(k[b, hk, start_n + n, c])
-                kv_s[c * K_W + n] = x
+            load_k(k, b, hk, start_n, end_n - start_n, d, kv_s, ONE)  # tail rows: zeros
             cuda.syncthreads()  # Barrier: the K tile is complete before anyone reads it.
 
             # S = Q K^T for this thread's TM x TN micro-tile (qk_scale already in Q).
@@ -168,7 +200,7 @@ def kernel_source(spec):
                     s[i, j] = ZERO
             for c in range(D):
                 for i in range(TM):
-                    a[i] = q_t[c, ty + i * THREADS_M]
+                    a[i] = q_t[c * Q_W + ty + i * THREADS_M]
                 for j in range(TN):
                     bb[j] = kv_s[c * K_W + tx + j * THREADS_N]
                 for i in range(TM):
@@ -209,16 +241,7 @@ def kernel_source(spec):
             # V may take its place.
             cuda.syncthreads()
 
-            bad = 0
-            for idx in range(tid, BLOCK_N * DV, THREADS):
-                n = idx // DV
-                c = idx % DV
-                x = ZERO
-                if start_n + n < end_n and c < dv:
-                    x = load(v[b, hk, start_n + n, c])
-                if x - x != ZERO:  # inf or NaN
-                    bad = 1
-                kv_s[n * DV + c] = x
+            bad = load_v(v, b, hk, start_n, end_n - start_n, dv, kv_s, ONE)
             # Barrier: the V tile is complete. It also tells every thread whether any thread
             # loaded a non-finite value, so the whole block takes the same path below.
             v_bad = cuda.syncthreads_or(bad)

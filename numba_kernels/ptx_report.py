@@ -49,7 +49,8 @@ def check_variant(args):
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        run = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", path + ".cubin"],
+        cap = [f"-maxrregcount={spec.max_registers}"] if spec.max_registers else []
+        run = subprocess.run([ptxas, f"-arch={arch}", "-v", *cap, path, "-o", path + ".cubin"],
                              capture_output=True, text=True)
     text = run.stdout + run.stderr
     if run.returncode != 0:

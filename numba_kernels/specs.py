@@ -59,9 +59,9 @@ def build_kernel(spec):
     """The kernel for `spec`. Numba compiles it at the first launch for the argument types it
     sees (contiguous or strided arrays) and keeps each compiled version for the process."""
     fn = kernel_source(spec)
-    if SIMULATOR:  # the simulator ignores fastmath
+    if SIMULATOR:  # the simulator takes neither fastmath nor max_registers
         return cuda.jit(fn)
-    return cuda.jit(fastmath=FASTMATH)(fn)
+    return cuda.jit(fastmath=FASTMATH, max_registers=spec.max_registers or None)(fn)
 
 
 def launch_grid(n_q, batch, heads_q, spec):
@@ -74,5 +74,6 @@ def launch_grid(n_q, batch, heads_q, spec):
 
 
 def compile_ptx(spec, cc=(9, 0)):
-    """PTX of `spec` for compute capability cc, compiled on any machine (no GPU needed)."""
+    """PTX of `spec` for compute capability cc, compiled on any machine (no GPU needed).
+    A register cap (spec.max_registers) is ptxas's -maxrregcount, applied after this."""
     return cuda.compile_ptx(kernel_source(spec), signature(spec), cc=cc, fastmath=FASTMATH)[0]
