@@ -122,6 +122,7 @@ def kernel_source(spec):
     Q_W, K_W, P_W = BLOCK_M + 1, BLOCK_N + 1, BLOCK_M + 1
     Q_WORDS, KV_WORDS = D * Q_W, max(D * K_W, BLOCK_N * DV)
     HAS_MASK = spec.has_mask
+    UNROLL = 4  # inner-loop steps unrolled together (D and BLOCK_N are multiples of 16)
     load, store, _ = CONVERTERS[spec.dtype]
     load_q = tile_loader(load, BLOCK_M, D, THREADS, 1, Q_W)  # transposed: q_t[c * Q_W + r]
     load_k = tile_loader(load, BLOCK_N, D, THREADS, 1, K_W)  # transposed: kv_s[c * K_W + n]
@@ -198,14 +199,15 @@ def kernel_source(spec):
             for i in range(TM):
                 for j in range(TN):
                     s[i, j] = ZERO
-            for c in range(D):
-                for i in range(TM):
-                    a[i] = q_t[c * Q_W + ty + i * THREADS_M]
-                for j in range(TN):
-                    bb[j] = kv_s[c * K_W + tx + j * THREADS_N]
-                for i in range(TM):
+            for c0 in range(0, D, UNROLL):
+                for c in range(c0, c0 + UNROLL):  # constant trip count: unrolled, loads overlap
+                    for i in range(TM):
+                        a[i] = q_t[c * Q_W + ty + i * THREADS_M]
                     for j in range(TN):
-                        s[i, j] += a[i] * bb[j]
+                        bb[j] = kv_s[c * K_W + tx + j * THREADS_N]
+                    for i in range(TM):
+                        for j in range(TN):
+                            s[i, j] += a[i] * bb[j]
 
             # Masked scores become -inf by selection (a NaN score of a hidden key must vanish).
             for i in range(TM):
@@ -251,22 +253,28 @@ def kernel_source(spec):
                 for t in range(THREADS_N):
                     l_i[i] += row_sum[r, t]
             # O += P V for this thread's TM x TV micro-tile.
-            for n in range(BLOCK_N):
-                for i in range(TM):
-                    a[i] = p_t[n, ty + i * THREADS_M]
-                for j in range(TV):
-                    bb[j] = kv_s[n * DV + tx + j * THREADS_N]
-                if not v_bad:
-                    for i in range(TM):
+            if not v_bad:
+                for n0 in range(0, BLOCK_N, UNROLL):
+                    for n in range(n0, n0 + UNROLL):
+                        for i in range(TM):
+                            a[i] = p_t[n, ty + i * THREADS_M]
                         for j in range(TV):
-                            acc[i, j] += a[i] * bb[j]
-                else:
-                    # A hidden key has p = 0, but 0 * NaN = NaN: add only what the row sees.
+                            bb[j] = kv_s[n * DV + tx + j * THREADS_N]
+                        for i in range(TM):
+                            for j in range(TV):
+                                acc[i, j] += a[i] * bb[j]
+            else:
+                # A NaN or inf in V. A hidden key has p = 0, but 0 * NaN = NaN: add only the
+                # keys each row sees. Rare, so not unrolled.
+                for n in range(BLOCK_N):
+                    for j in range(TV):
+                        bb[j] = kv_s[n * DV + tx + j * THREADS_N]
                     for i in range(TM):
                         if visible(mask, b, h, start_m + ty + i * THREADS_M, start_n + n,
                                    lo[i], hi[i], interior, n_q, msb, msh, msi, msj):
+                            a_i = p_t[n, ty + i * THREADS_M]
                             for j in range(TV):
-                                acc[i, j] += a[i] * bb[j]
+                                acc[i, j] += a_i * bb[j]
 
         # out = acc / l_i; a row that saw no key has l_i = 0 and gives out = 0, lse = -inf.
         for i in range(TM):
