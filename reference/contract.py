@@ -194,3 +194,24 @@ def row_lengths(problem, kv_lengths):
     if kv_lengths is None:
         return [problem.n_k] * problem.batch
     return to_int_list(kv_lengths)
+
+
+def dense_visible(problem, mask=None, kv_lengths=None, xp=None):
+    """The whole boolean (B, Hq or 1, Nq, Nk) of visible keys (no bias): for adapters that
+    hand another library one mask. Memory B * Nq * Nk (times Hq if mask varies by head)."""
+    import numpy as np
+
+    xp = xp or np
+    j = xp.arange(problem.n_k)
+    rows = []
+    for kv_len in row_lengths(problem, kv_lengths):
+        lo, hi = zip(*(key_range(i, problem.n_q, kv_len, problem.left, problem.right,
+                                 problem.bottom_right) for i in range(problem.n_q))) \
+            if problem.n_q else ((), ())
+        lo = xp.asarray(lo, dtype=xp.int64)[:, None]
+        hi = xp.asarray(hi, dtype=xp.int64)[:, None]
+        rows.append((j >= lo) & (j < hi))
+    keep = xp.stack(rows)[:, None] if rows else xp.zeros((0, 1, problem.n_q, problem.n_k), bool)
+    if mask is not None:
+        keep = keep & xp.asarray(mask)
+    return keep

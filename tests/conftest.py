@@ -1,5 +1,4 @@
 """Without a GPU, the Numba kernel runs in the CUDA simulator (set before numba is imported)."""
-import os
+from verify.device import use_simulator_if_no_gpu
 
-if not os.path.exists("/dev/nvidiactl"):
-    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+use_simulator_if_no_gpu()

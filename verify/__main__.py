@@ -1,0 +1,49 @@
+"""python -m verify IMPL [--suite auto|quick|standard|full] [--dtype ...] [--json PATH]
+
+IMPL: a built-in adapter (numba, reference, torch-math, torch-efficient, torch-flash,
+torch-cudnn, flash-attn, jax-xla, jax-cudnn) or MODULE:CALLABLE. Prints the report; writes the
+JSON certificate with --json. Exit code 0 only when the implementation passes.
+"""
+import argparse
+import sys
+
+from .device import use_simulator_if_no_gpu
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m verify", description=__doc__.splitlines()[0])
+    ap.add_argument("impl", help="built-in adapter name or MODULE:CALLABLE")
+    ap.add_argument("--suite", default="auto", choices=["auto", "quick", "standard", "full"],
+                    help="auto (default): standard on a GPU, quick in the CUDA simulator")
+    ap.add_argument("--dtype", action="append", dest="dtypes",
+                    choices=["float32", "float16", "bfloat16"],
+                    help="limit to this dtype (repeatable); default: all it claims")
+    ap.add_argument("--array", choices=["numpy", "torch", "cupy", "jax"],
+                    help="array type a MODULE:CALLABLE takes (default numpy)")
+    ap.add_argument("--device", choices=["cpu", "cuda"])
+    ap.add_argument("--layout", choices=["bhnd", "bnhd"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the certificate here")
+    a = ap.parse_args(argv)
+    simulated = use_simulator_if_no_gpu()
+    if simulated:
+        print("no GPU found: Numba kernels run in the CUDA simulator (tiny sizes only)",
+              file=sys.stderr)
+    suite = a.suite if a.suite != "auto" else ("quick" if simulated else "standard")
+    from . import compare
+
+    try:
+        report = compare(a.impl, array=a.array, device=a.device, layout=a.layout,
+                         dtypes=a.dtypes, suite=suite, seed=a.seed)
+    except (ValueError, ImportError, AttributeError) as e:
+        print(f"python -m verify: {e}", file=sys.stderr)
+        return 2
+    print(report)
+    if a.json:
+        report.save(a.json)
+        print(f"certificate written to {a.json}")
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

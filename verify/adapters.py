@@ -1,0 +1,233 @@
+"""What verify calls: an Implementation wraps any attention kernel with its declared support.
+
+The callable takes (q, k, v) in its own array type and layout, with the contract's keyword
+options (scale, causal, mask, kv_lengths, window), and returns out or (out, lse). Supports says
+what it claims; cases that need anything else are reported "not claimed", not failed.
+
+Built-in adapters (imported lazily, by name): reference, numba, torch-math, torch-efficient,
+torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn. Each states the conventions of its
+library: PyTorch's is_causal is top-left (bottom-right goes through causal_lower_right),
+flash-attn's causal is bottom-right; neither returns lse from these entry points except
+flash-attn.
+"""
+import importlib
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from reference.contract import check_attention_args, dense_visible
+
+
+@dataclass
+class Supports:
+    dtypes: tuple = ("float32", "float16", "bfloat16")
+    causal: tuple = ("top_left", "bottom_right")
+    mask: bool = True
+    kv_lengths: bool = True
+    window: bool = True
+    gqa: bool = True
+    dv_differs: bool = True
+    lse: bool = True
+    nonfinite_hidden: bool = True  # claims that hidden NaN/inf values change nothing
+    max_head_dim: int = 256
+    fully_masked: str = "zeros"  # rows with no visible key: "zeros" (the contract), "nan", "mean"
+
+    def claims(self, case):
+        """(True, "") or (False, the feature this case needs and the implementation lacks)."""
+        for f in sorted(case.features()):
+            kind, _, value = f.partition(":")
+            ok = {"dtype": lambda: value in self.dtypes,
+                  "causal": lambda: value in self.causal,
+                  "window": lambda: self.window, "mask": lambda: self.mask,
+                  "kv_lengths": lambda: self.kv_lengths, "gqa": lambda: self.gqa,
+                  "dv_differs": lambda: self.dv_differs,
+                  "nonfinite_hidden": lambda: self.nonfinite_hidden}[kind]()
+            if not ok:
+                return False, f
+        if max(case.D, case.Dv) > self.max_head_dim:
+            return False, f"head dim > {self.max_head_dim}"
+        return True, ""
+
+
+@dataclass
+class Implementation:
+    name: str
+    fn: object
+    supports: Supports = field(default_factory=Supports)
+    array: str = "numpy"  # numpy, torch, cupy, jax
+    device: str = "cpu"  # cpu, cuda
+    layout: str = "bhnd"  # bhnd: (B, H, N, D); bnhd: (B, N, H, D)
+    version: str = ""
+    timeout_s: float = 120.0
+
+    def describe(self):
+        d = asdict(self)
+        d.pop("fn")
+        return d
+
+
+def builtin(name):
+    """A built-in adapter by name (see the module docstring)."""
+    factories = {"reference": _reference, "numba": _numba, "flash-attn": _flash_attn}
+    for backend in ("math", "efficient", "flash", "cudnn"):
+        factories[f"torch-{backend}"] = lambda b=backend: _torch_sdpa(b)
+    for impl in ("xla", "cudnn"):
+        factories[f"jax-{impl}"] = lambda i=impl: _jax(i)
+    if name not in factories:
+        raise ValueError(f"unknown implementation {name!r}: use one of {sorted(factories)} "
+                         f"or MODULE:CALLABLE")
+    return factories[name]()
+
+
+def load(spec, **kw):
+    """A built-in name, or MODULE:CALLABLE (a function, or an Implementation object)."""
+    if ":" not in spec:
+        return builtin(spec)
+    module, _, attr = spec.partition(":")
+    obj = getattr(importlib.import_module(module), attr)
+    if isinstance(obj, Implementation):
+        return obj
+    version = getattr(importlib.import_module(module.split(".")[0]), "__version__", "")
+    return Implementation(name=spec, fn=obj, version=version, **kw)
+
+
+def _version(module):
+    try:
+        return importlib.import_module(module).__version__
+    except (ImportError, AttributeError):
+        return ""
+
+
+def _reference():
+    import reference
+
+    def fn(q, k, v, **options):
+        out, lse = reference.attention(q, k, v, return_lse=True, **options)
+        return out.astype(q.dtype), lse.astype(np.float32)
+
+    return Implementation("reference", fn, Supports(), version="float64, flash-conformance")
+
+
+def _numba():
+    from numba_kernels import flash_attention
+    from numba_kernels.convert import SIMULATOR
+
+    def fn(q, k, v, **options):
+        return flash_attention(q, k, v, return_lse=True, **options)
+
+    on_gpu = not SIMULATOR
+    return Implementation("numba", fn, Supports(), array="torch" if on_gpu else "numpy",
+                          device="cuda" if on_gpu else "cpu",
+                          version=f"numba-cuda {_version('numba_cuda')}"
+                          + ("" if on_gpu else " (CUDA simulator)"))
+
+
+TORCH_BACKENDS = {  # backend: (dtypes, max head dim, masks, gqa, Dv != D)
+    "math": (("float32", "float16", "bfloat16"), 1024, True, True, True),
+    "efficient": (("float32", "float16", "bfloat16"), 256, True, False, True),
+    "flash": (("float16", "bfloat16"), 256, False, True, False),
+    "cudnn": (("float16", "bfloat16"), 128, True, False, False),
+}
+
+
+def _torch_sdpa(backend):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    chosen = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    dtypes, max_d, masks, gqa, dv = TORCH_BACKENDS[backend]
+
+    def fn(q, k, v, scale=None, causal=False, mask=None, kv_lengths=None, window=None):
+        kw = dict(scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        if mask is None and kv_lengths is None and window is None:
+            if causal == "top_left":
+                kw["is_causal"] = True  # PyTorch's is_causal is top-left aligned
+            elif causal == "bottom_right":
+                kw["attn_mask"] = causal_lower_right(q.shape[2], k.shape[2])
+        else:  # one boolean mask built from the contract's definitions
+            pb = check_attention_args(q, k, v, causal=causal, window=window, mask=mask,
+                                      kv_lengths=kv_lengths)
+            kw["attn_mask"] = dense_visible(pb, mask, kv_lengths, xp=_TorchXP(q.device))
+        with sdpa_kernel(chosen):
+            return F.scaled_dot_product_attention(q, k, v, **kw)
+
+    return Implementation(
+        f"torch-{backend}", fn,
+        # Masks are added as -inf to the scores, and NaN + -inf = NaN: a NaN in a hidden key
+        # reaches every row (pytorch/pytorch#101967), so containment is not claimed.
+        Supports(dtypes=dtypes, mask=masks, kv_lengths=masks, window=masks, gqa=gqa,
+                 dv_differs=dv, lse=False, max_head_dim=max_d, nonfinite_hidden=False),
+        array="torch", device="cuda" if torch.cuda.is_available() else "cpu",
+        version=f"torch {torch.__version__}")
+
+
+class _TorchXP:
+    """The few array functions dense_visible needs, on torch tensors of one device."""
+
+    def __init__(self, device):
+        import torch
+
+        self.torch, self.device, self.int64 = torch, device, torch.int64
+
+    def arange(self, n):
+        return self.torch.arange(n, device=self.device)
+
+    def asarray(self, x, dtype=None):
+        return self.torch.as_tensor(x, device=self.device, dtype=dtype)
+
+    def stack(self, xs):
+        return self.torch.stack(xs)
+
+    def zeros(self, shape, dtype):
+        return self.torch.zeros(shape, dtype=self.torch.bool, device=self.device)
+
+
+def _flash_attn():
+    import flash_attn
+
+    def fn(q, k, v, scale=None, causal=False, window=None):
+        # flash-attn's causal is bottom-right aligned; window_size likewise.
+        out, lse, _ = flash_attn.flash_attn_func(
+            q, k, v, softmax_scale=scale, causal=causal == "bottom_right",
+            window_size=window if window is not None else (-1, -1), return_attn_probs=True)
+        return out, lse
+
+    return Implementation("flash-attn", fn,
+                          Supports(dtypes=("float16", "bfloat16"), causal=("bottom_right",),
+                                   mask=False, kv_lengths=False, dv_differs=False),
+                          array="torch", device="cuda", layout="bnhd",
+                          version=f"flash-attn {flash_attn.__version__}")
+
+
+def _jax(implementation):
+    import jax
+    import jax.numpy as jnp
+
+    def fn(q, k, v, scale=None, causal=False, mask=None, kv_lengths=None, window=None):
+        kw = dict(scale=scale, implementation=implementation)
+        if causal == "top_left" and mask is None:
+            kw["is_causal"] = True  # jax's causal mask is a lower triangle: top-left
+        elif causal or mask is not None or window is not None:
+            shape = (q.shape[0], q.shape[2], q.shape[1], q.shape[3])  # to the contract's BHND
+            pb = check_attention_args(np.empty(shape, np.float32),
+                                      np.empty((k.shape[0], k.shape[2], k.shape[1], 1),
+                                               np.float32),
+                                      np.empty((k.shape[0], k.shape[2], k.shape[1], 1),
+                                               np.float32),
+                                      causal=causal, window=window,
+                                      mask=None if mask is None else np.asarray(mask))
+            kw["mask"] = jnp.asarray(dense_visible(pb, None if mask is None
+                                                   else np.asarray(mask)))
+        if kv_lengths is not None:
+            kw["key_value_seq_lengths"] = kv_lengths
+        return jax.nn.dot_product_attention(q, k, v, **kw)
+
+    return Implementation(f"jax-{implementation}", fn,
+                          Supports(lse=False, dv_differs=False,
+                                   dtypes=("float32", "float16", "bfloat16")
+                                   if implementation == "xla" else ("float16", "bfloat16")),
+                          array="jax", device="cuda" if jax.default_backend() == "gpu" else "cpu",
+                          layout="bnhd", version=f"jax {jax.__version__}")
