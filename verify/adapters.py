@@ -211,23 +211,27 @@ def _jax(implementation):
         if causal == "top_left" and mask is None:
             kw["is_causal"] = True  # jax's causal mask is a lower triangle: top-left
         elif causal or mask is not None or window is not None:
-            shape = (q.shape[0], q.shape[2], q.shape[1], q.shape[3])  # to the contract's BHND
-            pb = check_attention_args(np.empty(shape, np.float32),
-                                      np.empty((k.shape[0], k.shape[2], k.shape[1], 1),
-                                               np.float32),
-                                      np.empty((k.shape[0], k.shape[2], k.shape[1], 1),
-                                               np.float32),
-                                      causal=causal, window=window,
-                                      mask=None if mask is None else np.asarray(mask))
-            kw["mask"] = jnp.asarray(dense_visible(pb, None if mask is None
-                                                   else np.asarray(mask)))
+            mask = None if mask is None else np.asarray(mask)
+            pb = check_attention_args(*(_bhnd_shape(x) for x in (q, k, v)), causal=causal,
+                                      window=window, mask=mask)
+            kw["mask"] = jnp.asarray(dense_visible(pb, mask))
         if kv_lengths is not None:
             kw["key_value_seq_lengths"] = kv_lengths
         return jax.nn.dot_product_attention(q, k, v, **kw)
 
+    # The XLA path masks with a large finite negative score: a row that sees no key averages
+    # V, and NaN in a hidden key still reaches the softmax (as in PyTorch).
     return Implementation(f"jax-{implementation}", fn,
-                          Supports(lse=False, dv_differs=False,
+                          Supports(lse=False, dv_differs=False, nonfinite_hidden=False,
+                                   fully_masked="mean" if implementation == "xla" else "zeros",
                                    dtypes=("float32", "float16", "bfloat16")
                                    if implementation == "xla" else ("float16", "bfloat16")),
                           array="jax", device="cuda" if jax.default_backend() == "gpu" else "cpu",
                           layout="bnhd", version=f"jax {jax.__version__}")
+
+
+def _bhnd_shape(x):
+    """A zero-stride float32 stand-in with x's (B, N, H, D) shape as (B, H, N, D): enough for
+    check_attention_args, which reads shapes and dtypes only."""
+    b, n, h, d = x.shape
+    return np.broadcast_to(np.float32(0), (b, h, n, d))

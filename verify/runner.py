@@ -44,10 +44,27 @@ def run_case(impl, case, seed):
             out = np.where(empty[..., None], 0.0, out)  # the declared convention: judge the rest
             if lse is not None:
                 lse = np.where(empty, -np.inf, lse)
-    comparisons = judge(*inputs[:3], out, lse, **options)
+    *truth_qkv, truth_options = _for_truth(q, k, v, options)
+    comparisons = judge(*truth_qkv, out, lse, dtype=case.dtype, **truth_options)
     failed = [c for c in comparisons if not c.passed]
     detail = "\n".join([c.message() for c in failed] + notes)
     return CaseResult(case, seed, "fail" if failed else "pass", detail, comparisons, seconds)
+
+
+def _for_truth(q, k, v, options):
+    """(q, k, v, **options) for the float64 truth: on the GPU through CuPy when there is one
+    (bfloat16 as float32 holding the same values), else the NumPy arrays as they are."""
+    from .device import gpu_present
+
+    if not gpu_present():
+        return q, k, v, options
+    try:
+        import cupy
+    except ImportError:
+        return q, k, v, options
+    wide = [x.astype(np.float32) if str(x.dtype) == "bfloat16" else x for x in (q, k, v)]
+    on_gpu = {n: cupy.asarray(a) if n == "mask" else a for n, a in options.items()}
+    return (*(cupy.asarray(x) for x in wide), on_gpu)
 
 
 class _Fail(Exception):

@@ -1,0 +1,68 @@
+"""Selecting the implementation under test, the Hypothesis profile, and the report header."""
+import os
+
+import pytest
+
+from verify.device import gpu_present, use_simulator_if_no_gpu
+
+ENV_IMPL = "FLASH_CONFORMANCE_IMPL"
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("conformance")
+    group.addoption("--impl", default=None,
+                    help=f"implementation under test: a verify adapter name (numba, "
+                         f"torch-efficient, ...) or MODULE:CALLABLE; default ${ENV_IMPL} or numba")
+    group.addoption("--profile", default=None, choices=["ci", "gpu", "thorough"],
+                    help="Hypothesis profile; default gpu on a GPU, else ci")
+
+
+def pytest_configure(config):
+    use_simulator_if_no_gpu()  # before anything imports numba.cuda
+    from hypothesis import settings
+
+    from . import profiles  # noqa: F401 - registers the profiles
+
+    profile = config.getoption("--profile") or ("gpu" if gpu_present() else "ci")
+    settings.load_profile(profile)
+    config.conformance_profile = profile
+    config.conformance_impl_spec = (config.getoption("--impl") or os.environ.get(ENV_IMPL)
+                                    or "numba")
+    config.conformance_impl = None
+
+
+def _load(config):
+    if config.conformance_impl is None:
+        from verify.adapters import load
+
+        try:
+            config.conformance_impl = load(config.conformance_impl_spec)
+        except Exception as e:  # noqa: BLE001 - a clear usage error, not a traceback
+            raise pytest.UsageError(f"cannot load implementation "
+                                    f"{config.conformance_impl_spec!r}: {e}") from None
+    return config.conformance_impl
+
+
+def pytest_report_header(config):
+    impl = _load(config)
+    from hypothesis import settings
+
+    from verify.report import environment
+
+    env = environment(impl)
+    return [f"conformance: implementation {impl.name} ({impl.version or 'no version'}) on "
+            f"{env.get('device')}; arrays {impl.array}/{impl.layout}",
+            f"conformance: Hypothesis profile {config.conformance_profile} "
+            f"(max_examples={settings.default.max_examples})"]
+
+
+@pytest.fixture(scope="session")
+def impl(pytestconfig):
+    return _load(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def limits(pytestconfig):
+    from .profiles import LIMITS
+
+    return LIMITS[pytestconfig.conformance_profile]
