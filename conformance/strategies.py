@@ -41,9 +41,11 @@ def cases(draw, impl, limits, *, values=None, mask=None, causal=None, kv_lengths
     Hk = draw(st.integers(1, 2), label="Hk")
     group = pick(gqa, st.sampled_from((1, 2, 3, 4) if s.gqa else (1,)), "Hq/Hk")
     Hq = Hk * group
-    B = draw(st.integers(1, max(1, limits["max_bh"] // Hq)), label="B")
-    if B * Hq * Nq * Nk > MAX_SCORES or B * Hq * Nq * max(D, Dv) > MAX_OUTPUT:
+    b_max = min(limits["max_bh"] // Hq, MAX_SCORES // (Hq * Nq * Nk),
+                MAX_OUTPUT // (Hq * Nq * max(D, Dv)))
+    if b_max < 1:
         reject()
+    B = draw(st.integers(1, b_max), label="B")
     causal = pick(causal, st.sampled_from((False,) + tuple(s.causal)), "causal")
     window = pick(window, st.none() | st.tuples(st.integers(-1, 8), st.integers(-1, 8))
                   if s.window else st.none(), "window")
