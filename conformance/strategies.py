@@ -9,7 +9,9 @@ from verify.runner import run_case
 # Sizes around the usual tiles (16, 32, 64, 128), and primes.
 AWKWARD = (1, 2, 3, 15, 16, 17, 31, 32, 33, 37, 63, 64, 65, 113, 127, 128, 129, 203, 255,
            256, 257, 1023, 1024, 1025, 2047, 4096)
-HEAD_DIMS = (1, 8, 16, 32, 40, 59, 64, 80, 96, 111, 128, 160, 256)
+# Awkward head dims (flash-attn's tests use 40, 59, 111) that fall in six of the kernel's
+# padded widths, so a GPU run compiles few variants.
+HEAD_DIMS = (1, 16, 40, 59, 64, 111, 128, 256)
 MAX_SCORES = 2**26  # B * Hq * Nq * Nk per example, so the float64 truth stays quick
 MAX_OUTPUT = 2**22  # B * Hq * Nq * max(D, Dv): the comparison runs on the host
 
