@@ -1,14 +1,13 @@
-"""Everything the kernel must show on a GPU, in one run: correctness, sanitizers, first timings.
+"""What the kernel must show on a GPU, in one run: correctness on a large battery, sanitizers.
 
-    python scripts/gpu_check.py [--out DIR] [--quick] [--no-sanitize] [--bench]
+    python scripts/gpu_check.py [--out DIR] [--quick] [--no-sanitize]
 
 1. The battery: every dtype, D in {16, 40, 64, 96, 128, 256}, every mask kind, shapes up to
    8192, against the float64 reference computed on the GPU with CuPy, under the project's
    error criterion; each output buffer poisoned with NaN first (every element must be
    written), each case run twice (bitwise equal), inputs compared before and after.
 2. compute-sanitizer racecheck and memcheck on small launches of several variants.
-3. With --bench, a short timing table against PyTorch's SDPA backends
-   (benchmarks/attention_speed.py is the full benchmark).
+Timings are benchmarks/attention_speed.py's job.
 Writes DIR/gpu_check.json and prints a short table last. Exit code 0 only if all passed.
 """
 import argparse
@@ -165,67 +164,11 @@ def sanitize(out_dir):
     return results
 
 
-def time_ms(fn, reps=10):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
-
-
-def bench():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    import torch.nn.functional as F
-
-    rows = []
-    for dtype in ("float32", "float16"):
-        for B, H, N, D in ((4, 16, 4096, 64), (2, 16, 4096, 128)):
-            for causal in (False, True):
-                t = TORCH_DTYPES[dtype]
-                q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=t) for _ in range(3))
-                flops = 4 * B * H * N * N * D / (2 if causal else 1)
-                impls = {"numba": lambda: flash_attention(
-                    q, k, v, causal="top_left" if causal else False)}
-                for name, backend in (("efficient", SDPBackend.EFFICIENT_ATTENTION),
-                                      ("flash", SDPBackend.FLASH_ATTENTION),
-                                      ("math", SDPBackend.MATH)):
-                    def call(backend=backend):
-                        with sdpa_kernel(backend):
-                            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                    impls[name] = call
-                for name, fn in impls.items():
-                    try:
-                        ms = time_ms(fn)
-                        tf = flops / ms / 1e9
-                    except Exception as e:  # a backend that does not take this dtype
-                        ms, tf = float("nan"), float("nan")
-                        name = f"{name} ({type(e).__name__})"
-                    rows.append(dict(dtype=dtype, shape=(B, H, N, D), causal=causal,
-                                     impl=name, ms=ms, tflops=tf))
-                    print(f"{dtype:8s} {str((B, H, N, D)):20s} causal={causal!s:5s} "
-                          f"{name:22s} {ms:8.3f} ms {tf:6.1f} TFLOP/s", flush=True)
-                del q, k, v
-    torch.backends.cuda.matmul.allow_tf32 = False
-    a = torch.randn(8192, 8192, device="cuda")
-    ms = time_ms(lambda: a @ a)
-    ceiling = 2 * 8192**3 / ms / 1e9
-    print(f"fp32 matmul ceiling (TF32 off): {ceiling:.1f} TFLOP/s")
-    return dict(rows=rows, fp32_ceiling_tflops=ceiling)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-sanitize", action="store_true")
-    ap.add_argument("--bench", action="store_true", help="also a short timing table")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "cupy", cupy.__version__,
@@ -235,8 +178,6 @@ def main():
     report["battery"] = rows = battery(a.quick)
     if not a.no_sanitize:
         report["sanitize"] = sanitize(a.out)
-    if a.bench:
-        report["bench"] = bench()
     with open(os.path.join(a.out, "gpu_check.json"), "w") as f:
         json.dump(report, f, indent=1, default=str)
     failed = [r for r in rows if not r["ok"]]
