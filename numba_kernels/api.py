@@ -25,9 +25,10 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=
     dtype, D and Dv <= 256. causal: False, "top_left" or "bottom_right"; mask: boolean,
     broadcastable to (B, Hq, Nq, Nk); kv_lengths: (B,) integers; window: (left, right).
     Returns out (B, Hq, Nq, Dv) in the input dtype, and lse (B, Hq, Nq) float32 (natural log)
-    when return_lse. Arithmetic is float32. Fastest: D and Dv multiples of 16 (others are
-    zero-padded to the next of specs.HEAD_DIMS), no mask. spec: a KernelSpec that forces one
-    variant (for benchmarks); by default specs.choose_spec picks it.
+    when return_lse. Arithmetic is float32. D and Dv are zero-padded to one width from
+    specs.HEAD_DIMS: fastest when D == Dv is one of them, and without a mask. NumPy inputs are
+    copied to the device contiguously; device arrays are read through their strides. spec: a
+    KernelSpec that forces one variant (for benchmarks); by default specs.choose_spec picks it.
     """
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
