@@ -20,8 +20,6 @@ import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
-STATIC_SHARED_LIMIT = 48 * 1024
-
 
 def find_ptxas():
     """ptxas of the same CUDA release as the NVVM that wrote the PTX, else the one on PATH."""
@@ -40,6 +38,7 @@ def find_ptxas():
 
 def check_variant(args):
     spec, cc, ptxas = args
+    from numba_kernels.flash_fwd import STATIC_SHARED_LIMIT
     from numba_kernels.specs import compile_ptx
 
     ptx = compile_ptx(spec, cc)

@@ -21,6 +21,8 @@ and lse = -inf; an invisible key's values (NaN included) change nothing.
 """
 from dataclasses import dataclass
 
+from ._xp import to_int_list
+
 CAUSAL_CHOICES = (False, "top_left", "bottom_right")
 
 _CAUSAL_TRUE_MESSAGE = (
@@ -176,8 +178,6 @@ def check_attention_args(q, k, v, *, scale=None, causal=False, mask=None, bias=N
 
 
 def _check_kv_lengths(kv_lengths, B, Nk):
-    from ._xp import to_int_list
-
     shape = tuple(getattr(kv_lengths, "shape", (None,)))
     if shape != (B,) or "int" not in dtype_name(kv_lengths):
         raise ValueError(f"kv_lengths must be an integer array of shape (B,)=({B},), "
@@ -189,8 +189,6 @@ def _check_kv_lengths(kv_lengths, B, Nk):
 
 def row_lengths(problem, kv_lengths):
     """Per-batch key count as Python ints: kv_lengths[b], or Nk."""
-    from ._xp import to_int_list
-
     if kv_lengths is None:
         return [problem.n_k] * problem.batch
     return to_int_list(kv_lengths)

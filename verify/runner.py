@@ -200,14 +200,13 @@ def _unpack(impl, case, result):
 
 def _bits(x):
     """A byte-exact host copy of an array of any type (for immutability and determinism)."""
-    h = x
-    if hasattr(x, "detach"):
-        h = x.detach().contiguous().view(-1)
-        h = h.view(__import__("torch").uint8) if h.numel() else h
-        return h.cpu().numpy().copy()
-    if hasattr(x, "get"):
-        h = x.get()
-    h = np.ascontiguousarray(np.asarray(h))
+    if hasattr(x, "detach"):  # torch: through int16/int32 views, which NumPy can hold
+        t = x.detach().contiguous()
+        t = t.view({2: __import__("torch").int16, 4: __import__("torch").int32}.get(
+            t.element_size(), t.dtype))
+        return t.cpu().numpy().copy()
+    h = x.get() if hasattr(x, "get") else np.asarray(x)
+    h = np.ascontiguousarray(h)
     return h.view(np.uint8).copy() if h.size else h.copy()
 
 
