@@ -55,19 +55,11 @@ class Problem:
     left: int  # window: keys at most `left` before the diagonal; -1 = unbounded
     right: int  # keys at most `right` after the diagonal; -1 = unbounded; causal makes it 0
     bottom_right: bool  # diagonal alignment of causal and window (see key_range)
-    has_mask: bool
-    has_bias: bool
-    has_kv_lengths: bool
 
     @property
     def group(self):
         """Query heads per key head (1: multi-head, Hq: multi-query)."""
         return self.heads_q // self.heads_k
-
-    @property
-    def banded(self):
-        """True when causal or window limit the keys of a row."""
-        return self.left >= 0 or self.right >= 0
 
 
 def key_range(i, n_q, kv_len, left, right, bottom_right):
@@ -173,8 +165,7 @@ def check_attention_args(q, k, v, *, scale=None, causal=False, mask=None, bias=N
     if kv_lengths is not None:
         _check_kv_lengths(kv_lengths, B, Nk)
     return Problem(B, Hq, Hk, Nq, Nk, D, Dv, names["q"], float(scale), left, right,
-                   causal == "bottom_right" or (not causal and window is not None),
-                   mask is not None, bias is not None, kv_lengths is not None)
+                   causal == "bottom_right" or (not causal and window is not None))
 
 
 def _check_kv_lengths(kv_lengths, B, Nk):
@@ -194,21 +185,29 @@ def row_lengths(problem, kv_lengths):
     return to_int_list(kv_lengths)
 
 
+def row_ranges(problem, kv_len, r0, r1):
+    """(lo, hi): tuples of key_range for query rows r0 <= i < r1 of a batch with kv_len keys."""
+    if r1 <= r0:
+        return (), ()
+    return tuple(zip(*(key_range(i, problem.n_q, kv_len, problem.left, problem.right,
+                                 problem.bottom_right) for i in range(r0, r1))))
+
+
+def band(lo, hi, j0, j1, xp):
+    """Boolean (rows, j1 - j0): key j0 + c is in row r's range lo[r] <= j < hi[r]."""
+    j = xp.arange(j0, j1)
+    return (j >= xp.asarray(lo, dtype=xp.int64)[:, None]) & \
+        (j < xp.asarray(hi, dtype=xp.int64)[:, None])
+
+
 def dense_visible(problem, mask=None, kv_lengths=None, xp=None):
     """The whole boolean (B, Hq or 1, Nq, Nk) of visible keys (no bias): for adapters that
     hand another library one mask. Memory B * Nq * Nk (times Hq if mask varies by head)."""
     import numpy as np
 
     xp = xp or np
-    j = xp.arange(problem.n_k)
-    rows = []
-    for kv_len in row_lengths(problem, kv_lengths):
-        lo, hi = zip(*(key_range(i, problem.n_q, kv_len, problem.left, problem.right,
-                                 problem.bottom_right) for i in range(problem.n_q))) \
-            if problem.n_q else ((), ())
-        lo = xp.asarray(lo, dtype=xp.int64)[:, None]
-        hi = xp.asarray(hi, dtype=xp.int64)[:, None]
-        rows.append((j >= lo) & (j < hi))
+    rows = [band(*row_ranges(problem, kv_len, 0, problem.n_q), 0, problem.n_k, xp)
+            for kv_len in row_lengths(problem, kv_lengths)]
     keep = xp.stack(rows)[:, None] if rows else xp.zeros((0, 1, problem.n_q, problem.n_k), bool)
     if mask is not None:
         keep = keep & xp.asarray(mask)

@@ -17,7 +17,7 @@ dtype: float64 here, float32 there.
 import numpy as np
 
 from ._xp import array_namespace, quiet
-from .contract import check_attention_args, key_range, row_lengths
+from .contract import band, check_attention_args, row_lengths, row_ranges
 
 CHUNK_ELEMS = 1 << 22
 
@@ -37,15 +37,14 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_len
     return (out, lse) if return_lse else out
 
 
-def visible(problem, lo, hi, j0, j1, mask, bias, xp):
+def visible(lo, hi, j0, j1, mask, bias, xp):
     """Boolean (G, R, n) or (R, n) of visible keys j0 <= j < j1 for rows with ranges lo, hi.
 
     mask and bias are the block's slices (G, R, n) or None. None means every key is visible.
     """
     keep = None
     if max(lo) > j0 or min(hi) < j1:  # some row of the block does not see all of j0..j1
-        j = xp.arange(j0, j1)
-        keep = (j >= xp.asarray(lo)[:, None]) & (j < xp.asarray(hi)[:, None])
+        keep = band(lo, hi, j0, j1, xp)
     for extra in (mask, None if bias is None else bias != -xp.inf):
         if extra is not None:
             keep = extra if keep is None else keep & extra
@@ -92,15 +91,14 @@ def forward(problem, q, k, v, mask, bias, kv_lengths, compute, p_dtype=None, rou
     for b, kv_len in enumerate(row_lengths(pb, kv_lengths)):
         for r0 in range(0, Nq, rows):
             r1 = min(Nq, r0 + rows)
-            lo, hi = zip(*(key_range(i, Nq, kv_len, pb.left, pb.right, pb.bottom_right)
-                           for i in range(r0, r1)))
+            lo, hi = row_ranges(pb, kv_len, r0, r1)
             j0, j1 = max(0, min(lo)), min(kv_len, max(hi))
             if j1 <= j0:
                 continue  # every row of the block is fully masked: out = 0, lse = -inf
             for hk in range(Hk):
                 heads = slice(hk * G, (hk + 1) * G)
                 block = (b, heads, slice(r0, r1), slice(j0, j1))
-                keep = visible(pb, lo, hi, j0, j1, None if mask is None else mask[block],
+                keep = visible(lo, hi, j0, j1, None if mask is None else mask[block],
                                None if bias is None else bias[block], xp)
                 with quiet(xp):
                     s = q[b, heads, r0:r1] @ k[b, hk, j0:j1].T  # (G, R, n)

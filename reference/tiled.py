@@ -11,7 +11,7 @@ and is not fast (a Python loop over tiles).
 import math
 
 from ._xp import array_namespace, quiet
-from .contract import check_attention_args, key_range, row_lengths
+from .contract import check_attention_args, row_lengths, row_ranges
 from .naive import visible, weighted_values
 
 LOG2E = 1.0 / math.log(2.0)
@@ -47,8 +47,7 @@ def attention_tiled(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
 def _program(pb, q_tile, k, v, kv_len, start_m, mask, bias, qk_scale, BLOCK_N, xp):
     """One thread block: BLOCK_M rows of one (batch, head) against all visible key tiles."""
     n_rows = q_tile.shape[0]
-    lo, hi = zip(*(key_range(i, pb.n_q, kv_len, pb.left, pb.right, pb.bottom_right)
-                   for i in range(start_m, start_m + n_rows)))
+    lo, hi = row_ranges(pb, kv_len, start_m, start_m + n_rows)
     m_i = xp.full(n_rows, -xp.inf)  # running max of the scaled scores (log2 units)
     l_i = xp.zeros(n_rows)  # running sum of exp2(s - m_i)
     acc = xp.zeros((n_rows, v.shape[-1]))  # running sum of exp2(s - m_i) * v
@@ -59,7 +58,7 @@ def _program(pb, q_tile, k, v, kv_len, start_m, mask, bias, qk_scale, BLOCK_N, x
         for start_n in range(first, last, BLOCK_N):
             end_n = min(last, start_n + BLOCK_N)  # the last tile may be partial
             cols = slice(start_n, end_n)
-            keep = visible(pb, lo, hi, start_n, end_n, None if mask is None else mask[:, cols],
+            keep = visible(lo, hi, start_n, end_n, None if mask is None else mask[:, cols],
                            None if bias is None else bias[:, cols], xp)
             s = (q_tile @ k[cols].T) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
             if bias is not None:

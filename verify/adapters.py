@@ -172,8 +172,8 @@ class _TorchXP:
 
         self.torch, self.device, self.int64 = torch, device, torch.int64
 
-    def arange(self, n):
-        return self.torch.arange(n, device=self.device)
+    def arange(self, start, stop):
+        return self.torch.arange(start, stop, device=self.device)
 
     def asarray(self, x, dtype=None):
         return self.torch.as_tensor(x, device=self.device, dtype=dtype)

@@ -129,7 +129,7 @@ def _call(impl, args, kwargs):
     def target():
         try:
             box["result"] = impl.fn(*args, **kwargs)
-            _synchronize(impl, box["result"])
+            _synchronize(impl)
         except BaseException as e:  # noqa: BLE001 - everything a kernel raises is a result
             box["error"] = e
             box["trace"] = traceback.format_exc(limit=3)
@@ -145,7 +145,7 @@ def _call(impl, args, kwargs):
     return box["result"]
 
 
-def _synchronize(impl, result):
+def _synchronize(impl):
     if impl.array == "torch" and impl.device == "cuda":
         import torch
 
