@@ -6,7 +6,7 @@
 On the same inputs, in one run: our kernel, torch SDPA forced to each backend (flash,
 efficient, cudnn, math), and the fp32 matrix-product ceiling (torch, TF32 off). Shapes
 (B, H, N, D) = (4, 16, N, 64) and (2, 16, N, 128), causal and not, per dtype; decoding shapes
-(Nq = 1, Nk up to 32768, B * H = 64). CUDA events, warm-up, median of repeats (about 0.3 s of
+(Nq = 1, Nk up to 32768, B * H = 64), with and without split-KV. CUDA events, warm-up, median of repeats (about 0.3 s of
 repeats each, at least 3), inputs redrawn per shape. FLOPs = 4 B H Nq Nk D, halved for causal.
 --sweep times the kernel's tile variants on two shapes first.
 Writes DIR/attention_speed.json and DIR/attention_speed.png; prints a table.
@@ -82,7 +82,7 @@ def fp32_ceiling():
 
 
 def run_shape(rows, dtype, B, Hq, Hk, Nq, Nk, D, causal, impls, ceiling, spec=None,
-              label="numba"):
+              label="numba", num_splits=None):
     t = DTYPES[dtype]
     q = torch.randn(B, Hq, Nq, D, device="cuda", dtype=t)
     k, v = (torch.randn(B, Hk, Nk, D, device="cuda", dtype=t) for _ in range(2))
@@ -90,7 +90,7 @@ def run_shape(rows, dtype, B, Hq, Hk, Nq, Nk, D, causal, impls, ceiling, spec=No
     calls = {}
     if "numba" in impls:
         calls[label] = lambda: flash_attention(q, k, v, causal="top_left" if causal else False,
-                                               spec=spec)
+                                               spec=spec, num_splits=num_splits)
     for name in impls:
         if name in BACKENDS and Hq == Hk:
             calls[name] = sdpa(BACKENDS[name], q, k, v, causal)
@@ -110,10 +110,8 @@ def run_shape(rows, dtype, B, Hq, Hk, Nq, Nk, D, causal, impls, ceiling, spec=No
 
 
 SWEEP = {  # D -> (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N, max_registers) variants
-    64: [(64, 32, 16, 8, 0), (64, 32, 8, 8, 0), (32, 32, 8, 8, 0), (64, 16, 16, 4, 0),
-         (64, 32, 16, 8, 128)],
-    128: [(32, 32, 8, 8, 0), (32, 32, 4, 8, 0), (64, 16, 16, 4, 0), (32, 16, 8, 4, 0),
-          (32, 32, 8, 8, 128)],
+    64: [(64, 32, 16, 8, 0), (64, 32, 8, 8, 0), (32, 32, 8, 8, 0), (64, 16, 16, 4, 0)],
+    128: [(32, 32, 8, 8, 0), (64, 16, 16, 4, 0), (32, 16, 8, 4, 0)],
 }
 
 
@@ -128,6 +126,17 @@ def sweep(rows, ceiling):
                 continue
             run_shape(rows, "float32", B, 16, 16, 4096, 4096, D, False, ["numba"], ceiling,
                       spec=spec, label="sweep")
+
+
+def decode(rows, impls, ceiling):
+    """Decoding: one query row per (batch, head), B * H = 64; our kernel with one block per
+    (batch, head) (num_splits=1) and with split-KV as chosen by default."""
+    for dtype in ("float16", "float32"):
+        for nk in (4096, 32768):
+            if "numba" in impls:
+                run_shape(rows, dtype, 8, 8, 8, 1, nk, 128, False, ["numba"], ceiling,
+                          label="numba-1split", num_splits=1)
+            run_shape(rows, dtype, 8, 8, 8, 1, nk, 128, False, impls, ceiling)
 
 
 def plot(rows, path):
@@ -163,6 +172,8 @@ def main():
     ap.add_argument("--dtypes", default="float32,float16,bfloat16")
     ap.add_argument("--impls", default="numba,flash,efficient,cudnn,math")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--decode-first", action="store_true",
+                    help="time the decoding shapes before the others (not after)")
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting shapes after")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -173,6 +184,8 @@ def main():
     if a.sweep:
         sweep(rows, ceiling)
     impls = a.impls.split(",")
+    if a.decode_first:
+        decode(rows, impls, ceiling)
     for dtype in a.dtypes.split(","):
         for causal in (False, True):
             for B, H, D in ((4, 16, 64), (2, 16, 128)):
@@ -181,9 +194,8 @@ def main():
                         print("time budget spent: stopping")
                         break
                     run_shape(rows, dtype, B, H, H, n, n, D, causal, impls, ceiling)
-    for nk in (4096, 32768):  # decoding: one query row per (batch, head)
-        if time.time() - t_start < a.budget_s:
-            run_shape(rows, "float16", 8, 8, 8, 1, nk, 128, False, impls, ceiling)
+    if not a.decode_first and time.time() - t_start < a.budget_s:
+        decode(rows, impls, ceiling)
     with open(os.path.join(a.out, "attention_speed.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), fp32_ceiling_tflops=ceiling,
                        rows=rows), f, indent=1)

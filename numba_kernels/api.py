@@ -10,7 +10,9 @@ from numba import cuda
 from reference.contract import check_attention_args, dtype_name, row_lengths
 from .convert import SIMULATOR
 from .flash_fwd import LOG2E
-from .specs import DTYPES, MAX_HEAD_DIM, build_kernel, choose_spec, launch_grid
+from .specs import (DTYPES, MAX_HEAD_DIM, build_kernel, build_merge, choose_spec,
+                    launch_grid)
+from .split_kv import choose_splits, split_layout
 
 NO_DEVICE = ("no CUDA GPU is available. To run the kernel on the CPU, set the environment "
              "variable NUMBA_ENABLE_CUDASIM=1 before Python starts (the simulator runs one "
@@ -18,7 +20,7 @@ NO_DEVICE = ("no CUDA GPU is available. To run the kernel on the CPU, set the en
 
 
 def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=None,
-                    window=None, return_lse=False, spec=None):
+                    window=None, return_lse=False, num_splits=None, spec=None):
     """FlashAttention-2 forward on the GPU (or the CUDA simulator), per docs/contract.md.
 
     q (B, Hq, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv): float32, float16 or bfloat16, all one
@@ -27,33 +29,68 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=
     Returns out (B, Hq, Nq, Dv) in the input dtype, and lse (B, Hq, Nq) float32 (natural log)
     when return_lse. Arithmetic is float32. D and Dv are zero-padded to one width from
     specs.HEAD_DIMS: fastest when D == Dv is one of them, and without a mask. NumPy inputs are
-    copied to the device contiguously; device arrays are read through their strides. spec: a
-    KernelSpec that forces one variant (for benchmarks); by default specs.choose_spec picks it.
+    copied to the device contiguously; device arrays are read through their strides.
+
+    num_splits: split the keys into this many ranges, one block each, merged by lse
+    (split_kv.py); None chooses: splits only when the query tiles alone leave the GPU's SMs
+    idle (decoding). spec: a KernelSpec that forces one variant (for benchmarks); by default
+    specs.choose_spec picks it.
     """
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
     if max(pb.d, pb.dv) > MAX_HEAD_DIM:
         raise ValueError(f"head dims D={pb.d}, Dv={pb.dv}: this kernel supports at most "
                          f"{MAX_HEAD_DIM}")
+    if num_splits is not None and (isinstance(num_splits, bool)
+                                   or not isinstance(num_splits, (int, np.integer))
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be None or an integer >= 1, got {num_splits!r}")
     io = _io_for(q, k, v, mask, kv_lengths)
     out = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.dv), pb.dtype)
     lse = io.empty((pb.batch, pb.heads_q, pb.n_q), "float32")
     if pb.n_q > 0:
-        spec = spec or choose_spec(pb.d, pb.dv, pb.dtype, mask is not None)
-        if spec.d < pb.d or spec.dv < pb.dv or spec.dtype != pb.dtype \
-                or spec.has_mask != (mask is not None):
+        has_mask = mask is not None
+        tiles = spec or choose_spec(pb.d, pb.dv, pb.dtype, has_mask)
+        blocks, _, _ = launch_grid(pb.n_q, pb.batch, pb.heads_q, tiles)
+        if num_splits is None:
+            n_splits, split_len = choose_splits(blocks, pb.n_k, tiles.block_n, _sm_count())
+        else:
+            n_splits, split_len = split_layout(pb.n_k, tiles.block_n, int(num_splits))
+        if spec is None:
+            spec = choose_spec(pb.d, pb.dv, pb.dtype, has_mask, partial=n_splits > 1)
+        elif spec.d < pb.d or spec.dv < pb.dv or spec.dtype != pb.dtype \
+                or spec.has_mask != has_mask \
+                or spec.partial != (n_splits > 1 and pb.dtype != "float32"):
             raise ValueError(f"spec {spec} does not fit D={pb.d}, Dv={pb.dv}, {pb.dtype}, "
-                             f"mask={'yes' if mask is not None else 'no'}")
-        blocks, threads, n_tiles = launch_grid(pb.n_q, pb.batch, pb.heads_q, spec)
+                             f"mask={'yes' if has_mask else 'no'}, {n_splits} split(s)")
         mask_dev, steps = io.mask(mask)
         lengths = io.lengths(np.asarray(row_lengths(pb, kv_lengths), np.int32))
-        kernel = build_kernel(spec)
-        kernel[blocks, threads, io.stream](
-            io.dev(q), io.dev(k), io.dev(v), mask_dev, lengths, io.dev(out), io.dev(lse),
-            pb.n_q, pb.d, pb.dv, pb.group, pb.heads_q, n_tiles, np.float32(pb.scale * LOG2E),
-            pb.left, pb.right, int(pb.bottom_right), *steps)
+        if n_splits > 1:  # partial results, float32, split s of batch b at s * B + b
+            dest = (io.empty((n_splits * pb.batch, pb.heads_q, pb.n_q, pb.dv), "float32"),
+                    io.empty((n_splits * pb.batch, pb.heads_q, pb.n_q), "float32"))
+        else:
+            dest = (out, lse)
+        blocks, threads, n_tiles = launch_grid(pb.n_q, pb.batch, pb.heads_q, spec, n_splits)
+        build_kernel(spec)[blocks, threads, io.stream](
+            io.dev(q), io.dev(k), io.dev(v), mask_dev, lengths, io.dev(dest[0]),
+            io.dev(dest[1]), pb.n_q, pb.d, pb.dv, pb.group, pb.heads_q, n_tiles, split_len,
+            np.float32(pb.scale * LOG2E), pb.left, pb.right, int(pb.bottom_right), *steps)
+        if n_splits > 1:
+            elements = pb.batch * pb.heads_q * pb.n_q * pb.dv
+            build_merge(pb.dtype)[-(-elements // MERGE_THREADS), MERGE_THREADS, io.stream](
+                io.dev(dest[0]), io.dev(dest[1]), io.dev(out), io.dev(lse), n_splits)
     out, lse = io.result(out), io.result(lse)
     return (out, lse) if return_lse else out
+
+
+MERGE_THREADS = 128
+
+
+def _sm_count():
+    """Streaming multiprocessors of the current device (the simulator pretends one)."""
+    if SIMULATOR:
+        return 1
+    return cuda.get_current_device().MULTIPROCESSOR_COUNT
 
 
 def _kind(x):

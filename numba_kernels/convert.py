@@ -39,9 +39,11 @@ def bf16_to_float(bits):
 def float_to_bf16(x):
     """float32 -> bfloat16 bits, round to nearest even, NaN kept NaN (as the hardware does)."""
     u = _float_to_bits(x)
-    if x != x:
-        return int16_bits((u >> 16) | 0x40)
-    return int16_bits((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    quiet_nan = (u >> 16) | 0x40
+    # A select, not a branch: a branch in the output loop stops the compiler from unrolling
+    # it, and the accumulators it indexes then move from registers to local memory.
+    return int16_bits(quiet_nan if x != x else rounded)
 
 
 @cuda.jit(device=True, inline=True)

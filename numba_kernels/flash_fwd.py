@@ -13,7 +13,8 @@ Per key tile a thread does TM * TN * D + TM * TV * BLOCK_N fused multiply-adds, 
 arithmetic ahead of the shared-memory loads.
 
 Shared memory (float32; low-precision inputs are converted once, on load):
-    q_t   Q tile transposed (D, BLOCK_M + 1), pre-multiplied by qk_scale; loaded once
+    q_t   Q tile transposed (D, BLOCK_M + 1), pre-multiplied by qk_scale; loaded once;
+          at the end the output tile (BLOCK_M, DV + 1), for coalesced stores
     kv_s  K tile transposed (D, BLOCK_N + 1), then the V tile (BLOCK_N, DV) in the same words
     p_t   (BLOCK_N, BLOCK_M + 1) P tile transposed
     row_max, row_sum (BLOCK_M, THREADS_N): partial row statistics, one column per tx
@@ -53,6 +54,7 @@ class KernelSpec:
     block_n: int
     threads_m: int
     threads_n: int
+    partial: bool = False  # out is float32 whatever the input dtype (split-KV, split_kv.py)
     max_registers: int = 0  # a cap for the compiler (more blocks per SM); 0: its own choice
 
     @property
@@ -61,14 +63,16 @@ class KernelSpec:
 
     @property
     def shared_bytes(self):
+        q = max(self.d * (self.block_m + 1), self.block_m * (self.dv + 1))
         kv = max(self.d * (self.block_n + 1), self.block_n * self.dv)
-        return 4 * (self.d * (self.block_m + 1) + kv + self.block_n * (self.block_m + 1)
+        return 4 * (q + kv + self.block_n * (self.block_m + 1)
                     + 2 * self.block_m * self.threads_n)
 
     def check(self):
         ok = (self.block_m % self.threads_m == 0 and self.block_n % self.threads_n == 0
               and self.dv % self.threads_n == 0 and self.shared_bytes <= STATIC_SHARED_LIMIT
               and all(n % self.threads == 0 for n in (self.block_m * self.d,
+                                                      self.block_m * self.dv,
                                                       self.block_n * self.d,
                                                       self.block_n * self.dv)))
         if not ok:
@@ -119,11 +123,19 @@ def kernel_source(spec):
     BLOCK_M, BLOCK_N, D, DV = spec.block_m, spec.block_n, spec.d, spec.dv
     THREADS_M, THREADS_N, THREADS = spec.threads_m, spec.threads_n, spec.threads
     TM, TN, TV = BLOCK_M // THREADS_M, BLOCK_N // THREADS_N, DV // THREADS_N
-    Q_W, K_W, P_W = BLOCK_M + 1, BLOCK_N + 1, BLOCK_M + 1
-    Q_WORDS, KV_WORDS = D * Q_W, max(D * K_W, BLOCK_N * DV)
+    Q_W, K_W, P_W, O_W = BLOCK_M + 1, BLOCK_N + 1, BLOCK_M + 1, DV + 1
+    Q_WORDS, KV_WORDS = max(D * Q_W, BLOCK_M * O_W), max(D * K_W, BLOCK_N * DV)
     HAS_MASK = spec.has_mask
-    UNROLL = 4  # inner-loop steps unrolled together (D and BLOCK_N are multiples of 16)
+    # Inner-loop steps unrolled together, so that their shared loads overlap. The loops run
+    # to runtime bounds (the real head dim, the keys left in the tile), so the compiler
+    # unrolls exactly this many steps: unrolled whole, it hoists every load of the loop and
+    # runs out of registers. P V holds TM + TV loaded words a step beside TM * TV
+    # accumulators: with many output columns a thread, fewer steps at once.
+    UNROLL_S = 4
+    UNROLL_PV = 4 if TV <= 8 else 2 if TV <= 16 else 1
     load, store, _ = CONVERTERS[spec.dtype]
+    if spec.partial:  # split-KV partial results stay float32 until the merge
+        store = CONVERTERS["float32"][1]
     load_q = tile_loader(load, BLOCK_M, D, THREADS, 1, Q_W)  # transposed: q_t[c * Q_W + r]
     load_k = tile_loader(load, BLOCK_N, D, THREADS, 1, K_W)  # transposed: kv_s[c * K_W + n]
     load_v = tile_loader(load, BLOCK_N, DV, THREADS, DV, 1)  # as is: kv_s[n * DV + c]
@@ -139,7 +151,7 @@ def kernel_source(spec):
         return ok
 
     def flash_fwd(q, k, v, mask, kv_lengths, out, lse, n_q, d, dv, group, heads_q, n_tiles,
-                  qk_scale, left, right, bottom_right, msb, msh, msi, msj):
+                  split_len, qk_scale, left, right, bottom_right, msb, msh, msi, msj):
         q_t = cuda.shared.array(Q_WORDS, float32)
         kv_s = cuda.shared.array(KV_WORDS, float32)
         p_t = cuda.shared.array((BLOCK_N, P_W), float32)
@@ -157,12 +169,18 @@ def kernel_source(spec):
         tid = cuda.threadIdx.x
         ty = tid // THREADS_N
         tx = tid % THREADS_N
-        # Consecutive blocks share a (batch, head), so its K and V stay in L2. The last query
-        # tile goes first: under causal masks it has the most keys, and it should not run last.
+        # Blocks run over (split, batch, head, query tile). Consecutive blocks share a (batch,
+        # head), so its K and V stay in L2. The last query tile goes first: under causal masks
+        # it has the most keys, and it should not run last. With split-KV (split_kv.py) a block
+        # sees only keys [split * split_len, (split + 1) * split_len) and writes a partial
+        # result at batch index split * B + b; without it, split = 0.
+        batch = kv_lengths.shape[0]
         bh = int64(cuda.blockIdx.x) // n_tiles
         tile = n_tiles - 1 - int64(cuda.blockIdx.x) % n_tiles
-        b = bh // heads_q
+        split = bh // (batch * heads_q)
+        b = bh // heads_q % batch
         h = bh % heads_q
+        ob = split * batch + b  # where this block's out and lse go
         hk = h // group  # grouped-query attention: query head h reads key head h // group
         start_m = tile * BLOCK_M
         kv_len = int64(kv_lengths[b])
@@ -183,8 +201,8 @@ def kernel_source(spec):
         last_row = min(start_m + BLOCK_M, n_q) - 1
         lo_first, hi_first = key_range_device(start_m, n_q, kv_len, left, right, bottom_right)
         lo_last, hi_last = key_range_device(last_row, n_q, kv_len, left, right, bottom_right)
-        first_n = max(lo_first, 0) // BLOCK_N * BLOCK_N
-        end_n = min(hi_last, kv_len)
+        first_n = max(max(lo_first, 0) // BLOCK_N * BLOCK_N, split * split_len)
+        end_n = min(hi_last, kv_len, (split + 1) * split_len)
 
         for start_n in range(first_n, end_n, BLOCK_N):
             # A tile every row sees whole needs no per-key band test.
@@ -199,8 +217,9 @@ def kernel_source(spec):
             for i in range(TM):
                 for j in range(TN):
                     s[i, j] = ZERO
-            for c0 in range(0, D, UNROLL):
-                for c in range(c0, c0 + UNROLL):  # constant trip count: unrolled, loads overlap
+            # Columns past the real head dim d are zeros: the loop stops at d (rounded up).
+            for c0 in range(0, d, UNROLL_S):
+                for c in range(c0, c0 + UNROLL_S):  # constant trip count: unrolled, loads overlap
                     for i in range(TM):
                         a[i] = q_t[c * Q_W + ty + i * THREADS_M]
                     for j in range(TN):
@@ -254,8 +273,9 @@ def kernel_source(spec):
                     l_i[i] += row_sum[r, t]
             # O += P V for this thread's TM x TV micro-tile.
             if not v_bad:
-                for n0 in range(0, BLOCK_N, UNROLL):
-                    for n in range(n0, n0 + UNROLL):
+                # Keys past end_n have p = 0 and zero rows of V: the loop stops there.
+                for n0 in range(0, min(BLOCK_N, end_n - start_n), UNROLL_PV):
+                    for n in range(n0, n0 + UNROLL_PV):
                         for i in range(TM):
                             a[i] = p_t[n, ty + i * THREADS_M]
                         for j in range(TV):
@@ -277,16 +297,24 @@ def kernel_source(spec):
                                 acc[i, j] += a_i * bb[j]
 
         # out = acc / l_i; a row that saw no key has l_i = 0 and gives out = 0, lse = -inf.
+        # The rows go through shared memory (q_t's words, free now) so that the stores to
+        # `out` are coalesced: a thread's own columns are THREADS_N words apart.
+        # Barrier: every read of q_t (and, with no key tile, its load) is finished.
+        cuda.syncthreads()
         for i in range(TM):
-            row = start_m + ty + i * THREADS_M
-            if row < n_q:
-                empty = l_i[i] == ZERO
-                inv_l = ZERO if empty else ONE / l_i[i]
-                for j in range(TV):
-                    c = tx + j * THREADS_N
-                    if c < dv:
-                        out[b, h, row, c] = store(ZERO if empty else acc[i, j] * inv_l)
-                if tx == 0:
-                    lse[b, h, row] = NEG_INF if empty else (m_i[i] + math.log2(l_i[i])) * F_LN2
+            r = ty + i * THREADS_M
+            empty = l_i[i] == ZERO
+            inv_l = ZERO if empty else ONE / l_i[i]
+            for j in range(TV):
+                q_t[r * O_W + tx + j * THREADS_N] = acc[i, j] * inv_l
+            if tx == 0 and start_m + r < n_q:
+                lse[ob, h, start_m + r] = NEG_INF if empty else (m_i[i] + math.log2(l_i[i])) * F_LN2
+        cuda.syncthreads()  # Barrier: the output tile is complete.
+        for it in range(BLOCK_M * DV // THREADS):
+            idx = tid + it * THREADS
+            r = idx // DV
+            c = idx % DV
+            if start_m + r < n_q and c < dv:
+                out[ob, h, start_m + r, c] = store(q_t[r * O_W + c])
 
     return flash_fwd

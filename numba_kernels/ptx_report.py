@@ -2,7 +2,7 @@
 
     python -m numba_kernels.ptx_report [--cc 9.0] [--jobs 2] [--json PATH]
 
-For each variant: numba.cuda.compile_ptx for the compute capability, then `ptxas -v`, which
+For each variant (and the split-KV merge kernel of each dtype): numba.cuda.compile_ptx for the compute capability, then `ptxas -v`, which
 reports registers, spills, stack frame and shared memory. A variant fails when it spills,
 needs a stack frame (arrays that fell out of registers into local memory), uses more static
 shared memory than 48 KB, or has a float64 instruction in its PTX (a bare Python float turns
@@ -42,24 +42,26 @@ def check_variant(args):
     from numba_kernels.specs import compile_ptx
 
     ptx = compile_ptx(spec, cc)
+    name = f"merge_splits({spec})" if isinstance(spec, str) else repr(spec)
     f64 = len(re.findall(r"\.f64\b", ptx))
     arch = f"sm_{cc[0]}{cc[1]}"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        cap = [f"-maxrregcount={spec.max_registers}"] if spec.max_registers else []
+        registers = getattr(spec, "max_registers", 0)
+        cap = [f"-maxrregcount={registers}"] if registers else []
         run = subprocess.run([ptxas, f"-arch={arch}", "-v", *cap, path, "-o", path + ".cubin"],
                              capture_output=True, text=True)
     text = run.stdout + run.stderr
     if run.returncode != 0:
-        return dict(spec=repr(spec), ok=False, error=text.strip()[-500:])
+        return dict(spec=name, ok=False, error=text.strip()[-500:])
 
     def number(pattern):
         m = re.search(pattern, text)
         return int(m.group(1)) if m else 0
 
-    row = dict(spec=repr(spec), registers=number(r"Used (\d+) registers"),
+    row = dict(spec=name, registers=number(r"Used (\d+) registers"),
                spill_stores=number(r"(\d+) bytes spill stores"),
                spill_loads=number(r"(\d+) bytes spill loads"),
                stack_frame=number(r"(\d+) bytes stack frame"),
@@ -80,11 +82,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         sys.exit("unset NUMBA_ENABLE_CUDASIM: the simulator cannot compile PTX")
-    from numba_kernels.specs import shipped_specs
+    from numba_kernels.specs import DTYPES, shipped_specs
 
     cc = tuple(int(x) for x in a.cc.split("."))
     ptxas = find_ptxas()
-    specs = shipped_specs()
+    specs = shipped_specs() + list(DTYPES)  # the kernel variants, then the merge kernels
     print(f"compiling {len(specs)} variants for sm_{cc[0]}{cc[1]} with {ptxas}", flush=True)
     rows = []
     with ProcessPoolExecutor(a.jobs) as pool:

@@ -10,41 +10,63 @@ from numba.types import float16
 
 from .convert import CONVERTERS, SIMULATOR
 from .flash_fwd import FASTMATH, KernelSpec, kernel_source
+from .split_kv import merge_source
 
 MAX_HEAD_DIM = 256
 # D and Dv are zero-padded up to the next of these (the padding costs FLOPs, not accuracy).
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 DTYPES = ("float32", "float16", "bfloat16")
 
-# padded D up to -> (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N)
-# The fastest tiles of benchmarks/attention_speed.py --sweep on an H200 whose every variant
-# (dtype, mask) compiles without spills or local memory (PERF.md: 64x32 with 8x8 threads and
-# 64x16 with 16x4 are faster unmasked in float32, but spill in masked and bfloat16 variants).
-TILES = [
-    (64, (64, 32, 16, 8)),
-    (128, (32, 32, 8, 8)),
-    (256, (16, 16, 4, 16)),  # TV = 16 output columns a thread: 32 would spill
-]
+# padded width -> tiles (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N), without and with a mask.
+# The fastest tiles of benchmarks/attention_speed.py --sweep on an H200 (PERF.md) where every
+# variant compiles without spills or local memory (python -m numba_kernels.ptx_report, a CI
+# gate). These kernels sit at the 255-register limit, so a tile that compiles clean in one
+# variant can spill in another (the mask's indexing, bfloat16's conversions): where the
+# fastest tiles spilled, the table takes the next fastest that do not.
+_WIDE = (64, 32, 8, 8)  # TM = 8, TN = 4 for S; width / 8 output columns a thread
+_NARROW = (64, 32, 16, 8)  # TM = 4
+_DEEP = (64, 16, 16, 4)  # TM = 4, TN = 4; width / 4 output columns a thread
+_SMALL = (32, 32, 8, 8)
+_TILE = (16, 16, 4, 16)  # above 128 only 16 x 16 fits in 48 KB
+TILES = {
+    16: (_NARROW, _NARROW),
+    32: (_WIDE, _SMALL),
+    48: (_WIDE, _NARROW),
+    64: (_WIDE, _NARROW),
+    80: (_DEEP, _DEEP),
+    96: (_SMALL, _SMALL),
+    112: (_DEEP, _DEEP),
+    128: (_DEEP, _SMALL),
+    160: (_TILE, _TILE),
+    192: (_TILE, _TILE),
+    224: (_TILE, _TILE),
+    256: (_TILE, _TILE),
+}
+assert tuple(TILES) == HEAD_DIMS
 
 
 def pad(n):
     return next(d for d in HEAD_DIMS if d >= n)
 
 
-def choose_spec(d, dv, dtype, has_mask):
-    """The variant for head dims d, dv (unpadded), input dtype, and whether a mask is given.
+def choose_spec(d, dv, dtype, has_mask, partial=False):
+    """The variant for head dims d, dv (unpadded), input dtype, whether a mask is given, and
+    whether it writes float32 partial results for split-KV (split_kv.py).
 
     D and Dv are padded to one common size, so that the variants a call can select are exactly
-    shipped_specs() (72 of them, each compiled once per process at its first launch)."""
+    shipped_specs(), each compiled once per process at its first launch. In float32 the
+    partial results are the output itself: one variant serves both."""
     width = pad(max(d, dv))
-    tiles = next(t for limit, t in TILES if width <= limit)
-    return KernelSpec(width, width, dtype, has_mask, *tiles).check()
+    tiles = TILES[width][has_mask]
+    return KernelSpec(width, width, dtype, has_mask, *tiles,
+                      partial=partial and dtype != "float32").check()
 
 
 def shipped_specs():
     """Every variant a call can select: CI compiles each of them for sm_90."""
-    return [choose_spec(d, d, dtype, has_mask)
-            for d in HEAD_DIMS for dtype in DTYPES for has_mask in (False, True)]
+    return [choose_spec(d, d, dtype, has_mask, partial)
+            for d in HEAD_DIMS for dtype in DTYPES for has_mask in (False, True)
+            for partial in ((False, True) if dtype != "float32" else (False,))]
 
 
 _NUMBA_TYPES = {"float32": float32, "float16": float16, "int16": int16}
@@ -54,31 +76,51 @@ def signature(spec):
     """Argument types of the kernel for `spec` (any-layout arrays: strided inputs are fine)."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
     arr4 = elem[:, :, :, :]
-    return (arr4, arr4, arr4, uint8[:, :, :, :], int32[:], arr4, float32[:, :, :],
-            int64, int64, int64, int64, int64, int64, float32, int64, int64, int64,
+    out4 = float32[:, :, :, :] if spec.partial else arr4
+    return (arr4, arr4, arr4, uint8[:, :, :, :], int32[:], out4, float32[:, :, :],
+            int64, int64, int64, int64, int64, int64, int64, float32, int64, int64, int64,
             int64, int64, int64, int64)
+
+
+def merge_signature(dtype):
+    out4 = _NUMBA_TYPES[CONVERTERS[dtype][2]][:, :, :, :]
+    return (float32[:, :, :, :], float32[:, :, :], out4, float32[:, :, :], int64)
 
 
 @lru_cache(maxsize=None)
 def build_kernel(spec):
     """The kernel for `spec`. Numba compiles it at the first launch for the argument types it
     sees (contiguous or strided arrays) and keeps each compiled version for the process."""
-    fn = kernel_source(spec)
+    return _jit(kernel_source(spec), spec.max_registers)
+
+
+@lru_cache(maxsize=None)
+def build_merge(dtype):
+    """The split-KV merge kernel writing outputs of `dtype`."""
+    return _jit(merge_source(dtype))
+
+
+def _jit(fn, max_registers=0):
     if SIMULATOR:  # the simulator takes neither fastmath nor max_registers
         return cuda.jit(fn)
-    return cuda.jit(fastmath=FASTMATH, max_registers=spec.max_registers or None)(fn)
+    return cuda.jit(fastmath=FASTMATH, max_registers=max_registers or None)(fn)
 
 
-def launch_grid(n_q, batch, heads_q, spec):
-    """(blocks, threads_per_block, n_tiles): one block per (query tile, batch, head), 1-D."""
+def launch_grid(n_q, batch, heads_q, spec, n_splits=1):
+    """(blocks, threads_per_block, n_tiles): one block per (split, batch, head, query tile)."""
     n_tiles = -(-n_q // spec.block_m)
-    blocks = n_tiles * batch * heads_q
+    blocks = n_splits * n_tiles * batch * heads_q
     if blocks >= 2**31:
         raise ValueError(f"{blocks} thread blocks exceed the grid limit 2**31 - 1")
     return blocks, spec.threads, n_tiles
 
 
 def compile_ptx(spec, cc=(9, 0)):
-    """PTX of `spec` for compute capability cc, compiled on any machine (no GPU needed).
-    A register cap (spec.max_registers) is ptxas's -maxrregcount, applied after this."""
-    return cuda.compile_ptx(kernel_source(spec), signature(spec), cc=cc, fastmath=FASTMATH)[0]
+    """PTX of a kernel variant (a KernelSpec) or of the merge kernel for a dtype (a str), for
+    compute capability cc, compiled on any machine (no GPU needed). A register cap
+    (spec.max_registers) is ptxas's -maxrregcount, applied after this."""
+    if isinstance(spec, str):
+        fn, sig = merge_source(spec), merge_signature(spec)
+    else:
+        fn, sig = kernel_source(spec), signature(spec)
+    return cuda.compile_ptx(fn, sig, cc=cc, fastmath=FASTMATH)[0]

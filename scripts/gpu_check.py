@@ -135,6 +135,8 @@ flash_attention(r(1, 2, 100, 128, dt=torch.bfloat16), r(1, 2, 150, 128, dt=torch
 flash_attention(r(1, 1, 40, 256, dt=torch.float16), r(1, 1, 70, 256, dt=torch.float16),
                 r(1, 1, 70, 256, dt=torch.float16), window=(9, 3), return_lse=True)
 flash_attention(r(1, 3, 33, 40), r(1, 1, 65, 40), r(1, 1, 65, 24))
+flash_attention(r(2, 4, 1, 64, dt=torch.float16), r(2, 4, 900, 64, dt=torch.float16),
+                r(2, 4, 900, 64, dt=torch.float16), num_splits=5, causal="bottom_right")
 torch.cuda.synchronize()
 print("sanitize launches done")
 """

@@ -2,8 +2,8 @@
 
 Without a GPU this runs in the CUDA simulator (tests/conftest.py), so sizes are tiny; the
 sizes are still chosen around the tiles of the variants they select (BLOCK_M = 64, BLOCK_N = 32
-for D <= 64; 32 x 32 up to 128; 16 x 16 up to 256). scripts/gpu_check.py runs the large battery
-on a GPU.
+for D <= 64; 64 x 16 up to 128, 32 x 32 for D = 96 with a mask; 16 x 16 up to 256).
+scripts/gpu_check.py runs the large battery on a GPU.
 """
 import zlib
 
@@ -116,6 +116,51 @@ def test_nan_in_a_visible_key_reaches_its_rows():
     assert np.isnan(out[0, :, 2:]).all() and np.isfinite(out[0, :, :2]).all()
 
 
+SPLITS = {  # name: (input shape arguments, options, num_splits)
+    "decode": (dict(Nq=1, Nk=100), {}, 3),
+    "causal-tails": (dict(Nq=5, Nk=70), dict(causal="bottom_right"), 2),
+    "more-splits-than-tiles": (dict(Nq=3, Nk=40), {}, 7),
+    # split 2 of batch 0 and every split of batch 1 see no key; batch 2 keeps one key
+    "kv-lengths": (dict(B=3, Nq=2, Nk=96), dict(kv_lengths=np.array([50, 0, 1])), 3),
+    "mask": (dict(Nq=4, Nk=70), "mask", 3),
+    "window": (dict(Nq=6, Nk=80), dict(window=(40, 0), causal="bottom_right"), 3),
+    "float16": (dict(Nq=2, Nk=70, dtype="float16"), {}, 2),
+    "bfloat16": (dict(Nq=2, Nk=70, dtype="bfloat16", D=100), {}, 4),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLITS))
+def test_split_kv(name, poisoned):
+    """Keys split across blocks and merged by lse give the contract's answer, and the answer
+    of one block per query tile up to rounding."""
+    shape, options, n_splits = SPLITS[name]
+    q, k, v = inputs(zlib.crc32(name.encode()), **shape)
+    if options == "mask":
+        mask = np.random.default_rng(1).random((q.shape[2], k.shape[2])) < 0.3
+        mask[0] = False  # fully masked
+        mask[1] = False
+        mask[1, 66] = True  # one key, in the last split
+        options = dict(mask=mask)
+    out, lse = flash_attention(q, k, v, return_lse=True, num_splits=n_splits, **options)
+    assert out.dtype == q.dtype and lse.dtype == np.float32
+    for c in judge(q, k, v, out, lse, **options):
+        assert c.passed, c.message()
+    whole, whole_lse = flash_attention(q, k, v, return_lse=True, num_splits=1, **options)
+    np.testing.assert_allclose(lse, whole_lse, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if q.dtype == np.float32 else 1e-2
+    np.testing.assert_allclose(out.astype(np.float32), whole.astype(np.float32),
+                               rtol=tol, atol=tol)
+
+
+def test_split_kv_nan_reaches_only_its_rows():
+    q, k, v = inputs(6, Nq=3, Nk=90)
+    v[0, 0, 80, 3] = np.nan  # the last split; row 0 (top-left causal) never sees key 80
+    out, lse = flash_attention(q, k, v, return_lse=True, num_splits=3, causal="bottom_right")
+    assert np.isnan(out[0, :, :, 3]).all() and np.isfinite(np.delete(out, 3, axis=3)).all()
+    out, lse = flash_attention(q, k, v, return_lse=True, num_splits=3, causal="top_left")
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
+
+
 @pytest.mark.parametrize("shape", [(0, 5), (5, 0)], ids=["Nq=0", "Nk=0"])
 def test_empty(shape):
     q, k, v = inputs(4, Nq=shape[0], Nk=shape[1])
@@ -142,6 +187,7 @@ BAD = {
     "causal-true": ({}, dict(causal=True), ValueError, "top_left"),
     "mask-shape": ({}, dict(mask=np.ones((3, 3), bool)), ValueError, "does not broadcast"),
     "lengths-range": ({}, dict(kv_lengths=np.array([9])), ValueError, "lie in"),
+    "num-splits": ({}, dict(num_splits=0), ValueError, "num_splits must be"),
 }
 
 

@@ -1,0 +1,77 @@
+"""Split-KV: more thread blocks when the query tiles alone cannot fill the GPU (decoding).
+
+With few query rows (Nq = 1 when decoding) there are only B * Hq * ceil(Nq / BLOCK_M) blocks,
+fewer than the SMs, and each walks every key. Split the keys into n_splits ranges of split_len
+(a multiple of BLOCK_N); the kernel then runs one block per (split, query tile, batch, head),
+each writing a partial (out, lse) over its keys in float32, and `merge_splits` combines them
+with reference/merge.py's rule:
+
+    lse = log(sum_s exp(lse_s)),    out = sum_s exp(lse_s - lse) * out_s
+
+A split with no visible key (lse_s = -inf) adds nothing; a row that sees no key in any split
+gets out = 0 and lse = -inf, as without splitting. NaN in a split's lse or out reaches the row.
+"""
+import math
+
+from numba import cuda, float32, int64
+
+from .convert import CONVERTERS
+
+FILL_BLOCKS_PER_SM = 4  # resident blocks an SM holds at the kernel's register use (PERF.md)
+MIN_TILES_PER_SPLIT = 4  # key tiles a split walks at least: a split is worth a block
+
+
+def choose_splits(blocks, n_k, block_n, n_sm):
+    """How many key ranges to split into, and each one's length (a multiple of block_n).
+
+    blocks: thread blocks without splitting. Splits only until the GPU holds
+    FILL_BLOCKS_PER_SM blocks per SM, and never below MIN_TILES_PER_SPLIT key tiles a split."""
+    key_tiles = -(-n_k // block_n)
+    want = -(-n_sm * FILL_BLOCKS_PER_SM // blocks)
+    n_splits = max(1, min(want, key_tiles // MIN_TILES_PER_SPLIT))
+    return split_layout(n_k, block_n, n_splits)
+
+
+def split_layout(n_k, block_n, n_splits):
+    """(n_splits, split_len) for at most n_splits ranges of whole key tiles, none empty."""
+    key_tiles = max(1, -(-n_k // block_n))
+    tiles_per_split = -(-key_tiles // max(1, min(n_splits, key_tiles)))
+    return -(-key_tiles // tiles_per_split), tiles_per_split * block_n
+
+
+def merge_source(dtype):
+    """The merge kernel for outputs of `dtype`: one thread per output element."""
+    _, store, _ = CONVERTERS[dtype]
+    ZERO, NEG_INF = float32(0.0), float32(-math.inf)
+
+    def merge_splits(out_part, lse_part, out, lse, n_splits):
+        """out_part (n_splits * B, Hq, Nq, Dv) and lse_part (n_splits * B, Hq, Nq), float32,
+        split s of batch b at s * B + b; out (B, Hq, Nq, Dv) and lse (B, Hq, Nq)."""
+        batch, heads, n_q, dv = out.shape
+        idx = int64(cuda.grid(1))
+        if idx >= batch * heads * n_q * dv:
+            return
+        c = idx % dv
+        row = idx // dv % n_q
+        h = idx // (dv * n_q) % heads
+        b = idx // (dv * n_q * heads)
+        m = NEG_INF
+        for s in range(n_splits):
+            x = lse_part[s * batch + b, h, row]
+            if x > m:  # a NaN lse never wins: it reaches the row through its weight below
+                m = x
+        m_safe = ZERO if m == NEG_INF else m
+        total = ZERO
+        acc = ZERO
+        for s in range(n_splits):
+            x = lse_part[s * batch + b, h, row]
+            if x != NEG_INF:  # an empty split adds nothing (its out is 0, its weight 0)
+                w = math.exp(x - m_safe)
+                total += w
+                acc += w * out_part[s * batch + b, h, row, c]
+        empty = total == ZERO
+        out[b, h, row, c] = store(ZERO if empty else acc / total)
+        if c == 0:
+            lse[b, h, row] = NEG_INF if empty else m_safe + math.log(total)
+
+    return merge_splits
