@@ -27,7 +27,7 @@ All sizes are closure ints of the factory: the CUDA compiler needs literal share
 import math
 from dataclasses import dataclass
 
-from numba import cuda, float32, int64
+from numba import cuda, float32, int64, uint64
 
 from reference.contract import key_range
 from .convert import CONVERTERS
@@ -169,6 +169,11 @@ def kernel_source(spec):
         tid = cuda.threadIdx.x
         ty = tid // THREADS_N
         tx = tid % THREADS_N
+        # The inner loops index shared memory with unsigned integers: Numba tests every signed
+        # index for a negative value (Python's wraparound), a compare and a select a load,
+        # which the profile (PERF.md, v5) found filling the integer pipe.
+        uty = uint64(ty)
+        utx = uint64(tx)
         # Blocks run over (split, batch, head, query tile). Consecutive blocks share a (batch,
         # head), so its K and V stay in L2. The last query tile goes first: under causal masks
         # it has the most keys, and it should not run last. With split-KV (split_kv.py) a block
@@ -220,10 +225,12 @@ def kernel_source(spec):
             # Columns past the real head dim d are zeros: the loop stops at d (rounded up).
             for c0 in range(0, d, UNROLL_S):
                 for c in range(c0, c0 + UNROLL_S):  # constant trip count: unrolled, loads overlap
+                    q_col = uint64(c * Q_W) + uty  # unsigned: see uty above
+                    k_col = uint64(c * K_W) + utx
                     for i in range(TM):
-                        a[i] = q_t[c * Q_W + ty + i * THREADS_M]
+                        a[i] = q_t[q_col + uint64(i * THREADS_M)]
                     for j in range(TN):
-                        bb[j] = kv_s[c * K_W + tx + j * THREADS_N]
+                        bb[j] = kv_s[k_col + uint64(j * THREADS_N)]
                     for i in range(TM):
                         for j in range(TN):
                             s[i, j] += a[i] * bb[j]
@@ -276,10 +283,12 @@ def kernel_source(spec):
                 # Keys past end_n have p = 0 and zero rows of V: the loop stops there.
                 for n0 in range(0, min(BLOCK_N, end_n - start_n), UNROLL_PV):
                     for n in range(n0, n0 + UNROLL_PV):
+                        p_row = uint64(n)
+                        v_row = uint64(n * DV) + utx
                         for i in range(TM):
-                            a[i] = p_t[n, ty + i * THREADS_M]
+                            a[i] = p_t[p_row, uty + uint64(i * THREADS_M)]
                         for j in range(TV):
-                            bb[j] = kv_s[n * DV + tx + j * THREADS_N]
+                            bb[j] = kv_s[v_row + uint64(j * THREADS_N)]
                         for i in range(TM):
                             for j in range(TV):
                                 acc[i, j] += a[i] * bb[j]

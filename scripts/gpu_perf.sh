@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1
 start=$(date +%s)
 python3 scripts/gpu_check.py --quick --out "$OUT" > "$OUT/check.log" 2>&1
 echo "gpu_check rc=$? in $(( $(date +%s) - start )) s"; tail -3 "$OUT/check.log"
-for D in 64 128; do
+for D in ${NCU_DIMS:-64 128}; do
   start=$(date +%s)
   timeout 120 ncu --clock-control none --set full -k regex:flash_fwd --launch-skip 1 \
     --launch-count 1 python3 scripts/profile_one.py $D > "$OUT/ncu_D$D.txt" 2>&1
