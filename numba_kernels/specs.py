@@ -23,16 +23,15 @@ DTYPES = ("float32", "float16", "bfloat16")
 # gate). These kernels sit at the 255-register limit, so a tile that compiles clean in one
 # variant can spill in another (the mask's indexing, bfloat16's conversions): where the
 # fastest tiles spilled, the table takes the next fastest that do not.
-_WIDE = (64, 32, 8, 8)  # TM = 8, TN = 4 for S; width / 8 output columns a thread
 _NARROW = (64, 32, 16, 8)  # TM = 4
 _DEEP = (64, 16, 16, 4)  # TM = 4, TN = 4; width / 4 output columns a thread
 _SMALL = (32, 32, 8, 8)
 _TILE = (16, 16, 4, 16)  # above 128 only 16 x 16 fits in 48 KB
 TILES = {
     16: (_NARROW, _NARROW),
-    32: (_WIDE, _SMALL),
-    48: (_WIDE, _NARROW),
-    64: (_WIDE, _NARROW),
+    32: (_NARROW, _SMALL),
+    48: (_NARROW, _NARROW),
+    64: (_NARROW, _NARROW),
     80: (_DEEP, _DEEP),
     96: (_SMALL, _SMALL),
     112: (_DEEP, _DEEP),
