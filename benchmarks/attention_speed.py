@@ -6,8 +6,8 @@
 On the same inputs, in one run: our kernel, torch SDPA forced to each backend (flash,
 efficient, cudnn, math), and the fp32 matrix-product ceiling (torch, TF32 off). Shapes
 (B, H, N, D) = (4, 16, N, 64) and (2, 16, N, 128), causal and not, per dtype; decoding shapes
-(Nq = 1, Nk up to 32768, B * H = 64), with and without split-KV. CUDA events, warm-up, median of repeats (about 0.3 s of
-repeats each, at least 3), inputs redrawn per shape. FLOPs = 4 B H Nq Nk D, halved for causal.
+(Nq = 1, Nk up to 32768, B * H = 64), with and without split-KV. CUDA events, warm-up,
+median of repeats (about 0.3 s of repeats each, at least 3), inputs redrawn per shape. FLOPs = 4 B H Nq Nk D, halved for causal.
 --sweep times the kernel's tile variants on two shapes first.
 Writes DIR/attention_speed.json and DIR/attention_speed.png; prints a table.
 """
@@ -109,9 +109,9 @@ def run_shape(rows, dtype, B, Hq, Hk, Nq, Nk, D, causal, impls, ceiling, spec=No
     torch.cuda.empty_cache()
 
 
-SWEEP = {  # D -> (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N, max_registers) variants
-    64: [(64, 32, 16, 8, 0), (64, 32, 8, 8, 0), (32, 32, 8, 8, 0), (64, 16, 16, 4, 0)],
-    128: [(32, 32, 8, 8, 0), (64, 16, 16, 4, 0), (32, 16, 8, 4, 0)],
+SWEEP = {  # D -> (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N) variants
+    64: [(64, 32, 16, 8), (64, 32, 8, 8), (32, 32, 8, 8), (64, 16, 16, 4)],
+    128: [(32, 32, 8, 8), (64, 16, 16, 4), (32, 16, 8, 4)],
 }
 
 

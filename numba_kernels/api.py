@@ -50,17 +50,18 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=
     lse = io.empty((pb.batch, pb.heads_q, pb.n_q), "float32")
     if pb.n_q > 0:
         has_mask = mask is not None
+        # Splitting depends on the tiles only, which do not depend on splitting.
         tiles = spec or choose_spec(pb.d, pb.dv, pb.dtype, has_mask)
         blocks, _, _ = launch_grid(pb.n_q, pb.batch, pb.heads_q, tiles)
         if num_splits is None:
             n_splits, split_len = choose_splits(blocks, pb.n_k, tiles.block_n, _sm_count())
         else:
             n_splits, split_len = split_layout(pb.n_k, tiles.block_n, int(num_splits))
+        chosen = choose_spec(pb.d, pb.dv, pb.dtype, has_mask, partial=n_splits > 1)
         if spec is None:
-            spec = choose_spec(pb.d, pb.dv, pb.dtype, has_mask, partial=n_splits > 1)
+            spec = chosen
         elif spec.d < pb.d or spec.dv < pb.dv or spec.dtype != pb.dtype \
-                or spec.has_mask != has_mask \
-                or spec.partial != (n_splits > 1 and pb.dtype != "float32"):
+                or spec.has_mask != has_mask or spec.partial != chosen.partial:
             raise ValueError(f"spec {spec} does not fit D={pb.d}, Dv={pb.dv}, {pb.dtype}, "
                              f"mask={'yes' if has_mask else 'no'}, {n_splits} split(s)")
         mask_dev, steps = io.mask(mask)

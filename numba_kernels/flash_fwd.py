@@ -55,7 +55,6 @@ class KernelSpec:
     threads_m: int
     threads_n: int
     partial: bool = False  # out is float32 whatever the input dtype (split-KV, split_kv.py)
-    max_registers: int = 0  # a cap for the compiler (more blocks per SM); 0: its own choice
 
     @property
     def threads(self):
@@ -127,10 +126,9 @@ def kernel_source(spec):
     Q_WORDS, KV_WORDS = max(D * Q_W, BLOCK_M * O_W), max(D * K_W, BLOCK_N * DV)
     HAS_MASK = spec.has_mask
     # Inner-loop steps unrolled together, so that their shared loads overlap. The loops run
-    # to runtime bounds (the real head dim, the keys left in the tile), so the compiler
-    # unrolls exactly this many steps: unrolled whole, it hoists every load of the loop and
-    # runs out of registers. P V holds TM + TV loaded words a step beside TM * TV
-    # accumulators: with many output columns a thread, fewer steps at once.
+    # to runtime bounds (the real head dim, the keys left in the tile): padded columns and
+    # keys past the end cost nothing. P V holds TM + TV loaded words a step beside TM * TV
+    # accumulators, so with many output columns a thread it takes fewer steps at once.
     UNROLL_S = 4
     UNROLL_PV = 4 if TV <= 8 else 2 if TV <= 16 else 1
     load, store, _ = CONVERTERS[spec.dtype]
@@ -315,9 +313,10 @@ def kernel_source(spec):
             empty = l_i[i] == ZERO
             inv_l = ZERO if empty else ONE / l_i[i]
             for j in range(TV):
-                q_t[r * O_W + tx + j * THREADS_N] = acc[i, j] * inv_l
+                q_t[r * O_W + tx + j * THREADS_N] = ZERO if empty else acc[i, j] * inv_l
             if tx == 0 and start_m + r < n_q:
-                lse[ob, h, start_m + r] = NEG_INF if empty else (m_i[i] + math.log2(l_i[i])) * F_LN2
+                lse[ob, h, start_m + r] = (NEG_INF if empty
+                                           else (m_i[i] + math.log2(l_i[i])) * F_LN2)
         cuda.syncthreads()  # Barrier: the output tile is complete.
         for it in range(BLOCK_M * DV // THREADS):
             idx = tid + it * THREADS

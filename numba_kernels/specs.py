@@ -90,7 +90,7 @@ def merge_signature(dtype):
 def build_kernel(spec):
     """The kernel for `spec`. Numba compiles it at the first launch for the argument types it
     sees (contiguous or strided arrays) and keeps each compiled version for the process."""
-    return _jit(kernel_source(spec), spec.max_registers)
+    return _jit(kernel_source(spec))
 
 
 @lru_cache(maxsize=None)
@@ -99,10 +99,10 @@ def build_merge(dtype):
     return _jit(merge_source(dtype))
 
 
-def _jit(fn, max_registers=0):
-    if SIMULATOR:  # the simulator takes neither fastmath nor max_registers
+def _jit(fn):
+    if SIMULATOR:  # the simulator takes no fastmath
         return cuda.jit(fn)
-    return cuda.jit(fastmath=FASTMATH, max_registers=max_registers or None)(fn)
+    return cuda.jit(fastmath=FASTMATH)(fn)
 
 
 def launch_grid(n_q, batch, heads_q, spec, n_splits=1):
@@ -116,8 +116,7 @@ def launch_grid(n_q, batch, heads_q, spec, n_splits=1):
 
 def compile_ptx(spec, cc=(9, 0)):
     """PTX of a kernel variant (a KernelSpec) or of the merge kernel for a dtype (a str), for
-    compute capability cc, compiled on any machine (no GPU needed). A register cap
-    (spec.max_registers) is ptxas's -maxrregcount, applied after this."""
+    compute capability cc, compiled on any machine (no GPU needed)."""
     if isinstance(spec, str):
         fn, sig = merge_source(spec), merge_signature(spec)
     else:
