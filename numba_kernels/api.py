@@ -10,7 +10,7 @@ from numba import cuda
 from reference.contract import check_attention_args, dtype_name, row_lengths
 from .convert import SIMULATOR
 from .flash_fwd import LOG2E
-from .specs import (DTYPES, MAX_HEAD_DIM, build_kernel, build_merge, choose_spec,
+from .specs import (DTYPES, MAX_HEAD_DIM, build_kernel, build_merge, choose_spec, launch,
                     launch_grid)
 from .split_kv import choose_splits, split_layout
 
@@ -72,14 +72,15 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=
         else:
             dest = (out, lse)
         blocks, threads, n_tiles = launch_grid(pb.n_q, pb.batch, pb.heads_q, spec, n_splits)
-        build_kernel(spec)[blocks, threads, io.stream](
-            io.dev(q), io.dev(k), io.dev(v), mask_dev, lengths, io.dev(dest[0]),
-            io.dev(dest[1]), pb.n_q, pb.d, pb.dv, pb.group, pb.heads_q, n_tiles, split_len,
-            np.float32(pb.scale * LOG2E), pb.left, pb.right, int(pb.bottom_right), *steps)
+        launch(build_kernel(spec), spec, blocks, threads, io.stream,
+               io.dev(q), io.dev(k), io.dev(v), mask_dev, lengths, io.dev(dest[0]),
+               io.dev(dest[1]), pb.n_q, pb.d, pb.dv, pb.group, pb.heads_q, n_tiles, split_len,
+               np.float32(pb.scale * LOG2E), pb.left, pb.right, int(pb.bottom_right), *steps)
         if n_splits > 1:
             elements = pb.batch * pb.heads_q * pb.n_q * pb.dv
-            build_merge(pb.dtype)[-(-elements // MERGE_THREADS), MERGE_THREADS, io.stream](
-                io.dev(dest[0]), io.dev(dest[1]), io.dev(out), io.dev(lse), n_splits)
+            launch(build_merge(pb.dtype), pb.dtype, -(-elements // MERGE_THREADS),
+                   MERGE_THREADS, io.stream, io.dev(dest[0]), io.dev(dest[1]), io.dev(out),
+                   io.dev(lse), n_splits)
     out, lse = io.result(out), io.result(lse)
     return (out, lse) if return_lse else out
 

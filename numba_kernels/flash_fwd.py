@@ -13,7 +13,7 @@ Per key tile a thread does TM * TN * D + TM * TV * BLOCK_N fused multiply-adds, 
 arithmetic ahead of the shared-memory loads.
 
 Shared memory (float32; low-precision inputs are converted once, on load):
-    q_t   Q tile transposed (D, BLOCK_M + 1), pre-multiplied by qk_scale; loaded once;
+    q_t   Q tile transposed (D, BLOCK_M + 1), loaded once;
           at the end the output tile (BLOCK_M, DV + 1), for coalesced stores
     kv_s  K tile transposed (D, BLOCK_N + 1), then the V tile (BLOCK_N, DV) in the same words
     p_t   (BLOCK_N, BLOCK_M + 1) P tile transposed
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from numba import cuda, float32, int64, uint64
 
 from reference.contract import key_range
-from .convert import CONVERTERS
+from .convert import CONVERTERS, device_function
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E): exp2 is one ex2.approx instruction
 LN2 = 0.6931471805599453
@@ -39,7 +39,7 @@ LN2 = 0.6931471805599453
 FASTMATH = {"contract", "afn", "arcp"}
 STATIC_SHARED_LIMIT = 48 * 1024  # bytes; above it numba-cuda needs dynamic shared memory
 
-key_range_device = cuda.jit(device=True, inline=True)(key_range)  # the contract's own code
+key_range_device = device_function(key_range)  # the contract's own code
 
 
 @dataclass(frozen=True)
@@ -87,13 +87,14 @@ def tile_loader(load, ROWS, COLS, THREADS, ROW_STRIDE, COL_STRIDE):
     Consecutive threads take consecutive columns, so global reads are coalesced. The loads of a
     batch are all issued before any store: out-of-range indices are clamped rather than
     branched around, so nothing orders the loads and their latencies overlap. Returns 1 if
-    this thread loaded a NaN or an inf, else 0.
+    this thread loaded a NaN or an inf, else 0. Every tile passes scale = 1 today; without the
+    multiply the compiler turns the select below into branches (PTX: 48 more bra), so it stays.
     """
     ITERS = ROWS * COLS // THREADS
     BATCH = next(n for n in (8, 4, 2, 1) if ITERS % n == 0)
     ZERO = float32(0.0)
 
-    @cuda.jit(device=True, inline=True)
+    @device_function
     def load_tile(src, b, h, row0, rows_valid, cols_valid, dst, scale):
         tid = cuda.threadIdx.x
         stage = cuda.local.array(BATCH, float32)
@@ -140,7 +141,7 @@ def kernel_source(spec):
     ZERO, ONE, NEG_INF = float32(0.0), float32(1.0), float32(-math.inf)
     F_LN2 = float32(LN2)
 
-    @cuda.jit(device=True, inline=True)
+    @device_function
     def visible(mask, b, h, row, col, lo, hi, interior, n_q, msb, msh, msi, msj):
         """Does query row `row` see key `col`? (contract: key_range, then the boolean mask)"""
         ok = row < n_q and (interior or (col >= lo and col < hi))
@@ -155,9 +156,13 @@ def kernel_source(spec):
         p_t = cuda.shared.array((BLOCK_N, P_W), float32)
         row_max = cuda.shared.array((BLOCK_M, THREADS_N), float32)
         row_sum = cuda.shared.array((BLOCK_M, THREADS_N), float32)
-        m_i = cuda.local.array(TM, float32)  # running max of scores (log2 units), per row
-        l_i = cuda.local.array(TM, float32)  # running sum of exp2(s - m_i)
-        acc = cuda.local.array((TM, TV), float32)  # running sum of exp2(s - m_i) * v
+        # S holds raw scores q . k; the scale enters inside the exponent, one fused multiply-add
+        # a score (as FA-2 does): exp2(s * qk_scale - m_i). Scaling Q on load instead rounds
+        # every element of Q once more, which with large scores costs more accuracy than the
+        # plain computation loses (verify's criterion).
+        m_i = cuda.local.array(TM, float32)  # running max of s * qk_scale (log2 units), per row
+        l_i = cuda.local.array(TM, float32)  # running sum of exp2(s * qk_scale - m_i)
+        acc = cuda.local.array((TM, TV), float32)  # running sum of exp2(s * qk_scale - m_i) * v
         lo = cuda.local.array(TM, int64)  # each row's visible keys lo <= j < hi
         hi = cuda.local.array(TM, int64)
         s = cuda.local.array((TM, TN), float32)
@@ -188,9 +193,8 @@ def kernel_source(spec):
         start_m = tile * BLOCK_M
         kv_len = int64(kv_lengths[b])
 
-        # Q tile, loaded once and reused against every key tile; scaled here so that S
-        # needs no multiply.
-        load_q(q, b, h, start_m, min(BLOCK_M, n_q - start_m), d, q_t, qk_scale)
+        # Q tile, loaded once and reused against every key tile.
+        load_q(q, b, h, start_m, min(BLOCK_M, n_q - start_m), d, q_t, ONE)
 
         for i in range(TM):
             m_i[i] = NEG_INF
@@ -216,7 +220,7 @@ def kernel_source(spec):
             load_k(k, b, hk, start_n, end_n - start_n, d, kv_s, ONE)  # tail rows: zeros
             cuda.syncthreads()  # Barrier: the K tile is complete before anyone reads it.
 
-            # S = Q K^T for this thread's TM x TN micro-tile (qk_scale already in Q).
+            # S = Q K^T for this thread's TM x TN micro-tile (raw scores).
             for i in range(TM):
                 for j in range(TN):
                     s[i, j] = ZERO
@@ -248,14 +252,17 @@ def kernel_source(spec):
 
             for i in range(TM):
                 r = ty + i * THREADS_M
-                m_new = m_i[i]
+                tile_max = NEG_INF
                 for t in range(THREADS_N):
-                    m_new = max(m_new, row_max[r, t])
+                    tile_max = max(tile_max, row_max[r, t])
+                # Rounding is monotone, so this is the max of the rounded scaled scores.
+                m_new = max(m_i[i], tile_max * qk_scale)
                 m_safe = ZERO if m_new == NEG_INF else m_new  # fully masked: no exp2(-inf + inf)
                 alpha = math.exp2(m_i[i] - m_safe)  # rescales what was summed under the old max
                 partial = ZERO
                 for j in range(TN):
-                    p = math.exp2(s[i, j] - m_safe)  # hidden keys: exp2(-inf) = 0; NaN stays
+                    # One FMA. Hidden keys: exp2(-inf) = 0; NaN stays NaN.
+                    p = math.exp2(s[i, j] * qk_scale - m_safe)
                     partial += p
                     p_t[tx + j * THREADS_N, r] = p
                 row_sum[r, tx] = partial

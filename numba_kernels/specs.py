@@ -3,7 +3,10 @@
 Tile sizes are bounded by static shared memory (48 KB a block, see KernelSpec.shared_bytes):
 the Q tile and the K tile are D words per row, so larger head dims take smaller tiles.
 """
+import time
+from contextlib import contextmanager
 from functools import lru_cache
+from types import SimpleNamespace
 
 from numba import cuda, float32, int16, int32, int64, uint8
 from numba.types import float16
@@ -72,7 +75,7 @@ _NUMBA_TYPES = {"float32": float32, "float16": float16, "int16": int16}
 
 
 def signature(spec):
-    """Argument types of the kernel for `spec` (any-layout arrays: strided inputs are fine)."""
+    """Argument types of the kernel for `spec`, with any-layout arrays (for compile_ptx)."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
     arr4 = elem[:, :, :, :]
     out4 = float32[:, :, :, :] if spec.partial else arr4
@@ -86,10 +89,21 @@ def merge_signature(dtype):
     return (float32[:, :, :, :], float32[:, :, :], out4, float32[:, :, :], int64)
 
 
+# What compiling took in this process: KernelSpec (or merge dtype) -> seconds.
+COMPILE_SECONDS = {}
+
+
+def compile_times():
+    """{KernelSpec or merge dtype: seconds} for every kernel this process compiled so far (the
+    first call of a variant pays its compile; later calls reuse it)."""
+    return dict(COMPILE_SECONDS)
+
+
 @lru_cache(maxsize=None)
 def build_kernel(spec):
     """The kernel for `spec`. Numba compiles it at the first launch for the argument types it
-    sees (contiguous or strided arrays) and keeps each compiled version for the process."""
+    sees and keeps each compiled version for the process: one for C-contiguous arrays, one more
+    if strided arrays come (C-contiguous addressing is faster: PERF.md, v7)."""
     return _jit(kernel_source(spec))
 
 
@@ -105,6 +119,16 @@ def _jit(fn):
     return cuda.jit(fastmath=FASTMATH)(fn)
 
 
+def launch(kernel, key, blocks, threads, stream, *args):
+    """kernel[blocks, threads, stream](*args); when the launch compiled a new version of the
+    kernel, the seconds it took are added to COMPILE_SECONDS[key]."""
+    versions = len(getattr(kernel, "overloads", ()))  # the simulator compiles nothing
+    t0 = time.perf_counter()
+    kernel[blocks, threads, stream](*args)
+    if len(getattr(kernel, "overloads", ())) > versions:
+        COMPILE_SECONDS[key] = COMPILE_SECONDS.get(key, 0.0) + time.perf_counter() - t0
+
+
 def launch_grid(n_q, batch, heads_q, spec, n_splits=1):
     """(blocks, threads_per_block, n_tiles): one block per (split, batch, head, query tile)."""
     n_tiles = -(-n_q // spec.block_m)
@@ -116,9 +140,28 @@ def launch_grid(n_q, batch, heads_q, spec, n_splits=1):
 
 def compile_ptx(spec, cc=(9, 0)):
     """PTX of a kernel variant (a KernelSpec) or of the merge kernel for a dtype (a str), for
-    compute capability cc, compiled on any machine (no GPU needed)."""
+    compute capability cc, compiled on any machine (no GPU needed). For the ptxas report
+    (ptx_report.py), in a process of its own: see _device_functions_for."""
     if isinstance(spec, str):
         fn, sig = merge_source(spec), merge_signature(spec)
     else:
         fn, sig = kernel_source(spec), signature(spec)
-    return cuda.compile_ptx(fn, sig, cc=cc, fastmath=FASTMATH)[0]
+    with _device_functions_for(cc):
+        return cuda.compile_ptx(fn, sig, cc=cc, fastmath=FASTMATH)[0]
+
+
+@contextmanager
+def _device_functions_for(cc):
+    """numba-cuda compiles the device functions a kernel calls (convert.device_function) for
+    the compute capability of the current GPU, which a CPU machine does not have: inside this
+    block they are compiled for cc instead. Each device function keeps what it compiled for the
+    rest of the process, so a process that launches kernels should not compile PTX for another
+    compute capability than its GPU's."""
+    import numba.cuda.dispatcher as dispatcher
+
+    current = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=tuple(cc))
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = current
