@@ -55,6 +55,7 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
                   flush=True)
     if progress:
         print(file=sys.stderr)
+    report.costs = impl.costs_line()
     return report
 
 

@@ -59,11 +59,17 @@ class Implementation:
     layout: str = "bhnd"  # bhnd: (B, H, N, D); bnhd: (B, N, H, D)
     version: str = ""
     timeout_s: float = 120.0
+    # Optional: a callable returning a line on costs outside the calls' own time (compiles).
+    costs: object = None
 
     def describe(self):
         d = asdict(self)
         d.pop("fn")
+        d.pop("costs")
         return d
+
+    def costs_line(self):
+        return self.costs() if self.costs else None
 
 
 def builtin(name):
@@ -109,17 +115,24 @@ def _reference():
 
 
 def _numba():
-    from numba_kernels import flash_attention
+    from numba_kernels import compile_times, flash_attention
     from numba_kernels.convert import SIMULATOR
 
     def fn(q, k, v, **options):
         return flash_attention(q, k, v, return_lse=True, **options)
 
+    def costs():
+        times = compile_times()
+        if not times:
+            return None
+        return (f"numba: {len(times)} kernel variants compiled in {sum(times.values()):.0f} s "
+                f"(once each per process, at its first call)")
+
     on_gpu = not SIMULATOR
     return Implementation("numba", fn, Supports(), array="torch" if on_gpu else "numpy",
                           device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
-                          + ("" if on_gpu else " (CUDA simulator)"))
+                          + ("" if on_gpu else " (CUDA simulator)"), costs=costs)
 
 
 TORCH_BACKENDS = {  # backend: (dtypes, max head dim, masks, gqa, Dv != D)

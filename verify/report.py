@@ -44,6 +44,7 @@ class Report:
     environment: dict
     cases: list = field(default_factory=list)
     impl_spec: str = ""
+    costs: str = None  # the implementation's line on costs outside the calls (compiles)
 
     @property
     def failures(self):
@@ -60,7 +61,8 @@ class Report:
     def to_dict(self):
         return dict(implementation=self.implementation, suite=self.suite, seed=self.seed,
                     environment=self.environment, verdict="pass" if self.passed else "fail",
-                    counts=self.counts(), cases=[c.to_dict() for c in self.cases])
+                    counts=self.counts(), costs=self.costs,
+                    cases=[c.to_dict() for c in self.cases])
 
     def save(self, path):
         with open(path, "w") as f:
@@ -78,6 +80,8 @@ class Report:
                      f" on {self.environment.get('device')}: {c['pass']} passed, "
                      f"{c['fail']} failed, {c['not claimed']} not claimed -> "
                      f"{'PASS' if self.passed else 'FAIL'}")
+        if self.costs:
+            lines.append(self.costs)
         for r in self.failures:
             lines.append(f"\nFAILED {r.case.name}: {r.detail}\nreproduce:\n"
                          + r.reproducer(self.impl_spec))
