@@ -15,16 +15,33 @@ def pytest_addoption(parser):
                          f"torch-efficient, ...) or MODULE:CALLABLE; default ${ENV_IMPL} or numba")
     group.addoption("--profile", default=None, choices=["ci", "gpu", "thorough"],
                     help="Hypothesis profile; default gpu on a GPU, else ci")
+    group.addoption("--max-examples", type=int, default=None,
+                    help="examples per property, overriding the profile's")
+    group.addoption("--no-shrink", action="store_true",
+                    help="report the first failing example as drawn, without shrinking it "
+                         "(for surveys of kernels that fail often: shrinking large inputs "
+                         "takes many calls)")
 
 
 def pytest_configure(config):
     use_simulator_if_no_gpu()  # before anything imports numba.cuda
-    from hypothesis import settings
+    from hypothesis import Phase, settings
 
     from . import profiles  # noqa: F401 - registers the profiles
 
     profile = config.getoption("--profile") or ("gpu" if gpu_present() else "ci")
     settings.load_profile(profile)
+    overrides = {}
+    if config.getoption("--max-examples") is not None:
+        if config.getoption("--max-examples") < 1:
+            raise pytest.UsageError("--max-examples must be at least 1")
+        overrides["max_examples"] = config.getoption("--max-examples")
+    if config.getoption("--no-shrink"):
+        overrides["phases"] = [p for p in Phase if p != Phase.shrink]
+    if overrides:
+        settings.register_profile(f"{profile}+options", settings.get_profile(profile),
+                                  **overrides)
+        settings.load_profile(f"{profile}+options")
     config.conformance_profile = profile
     config.conformance_impl_spec = (config.getoption("--impl") or os.environ.get(ENV_IMPL)
                                     or "numba")
@@ -45,7 +62,7 @@ def _load(config):
 
 def pytest_report_header(config):
     impl = _load(config)
-    from hypothesis import settings
+    from hypothesis import Phase, settings
 
     from verify.report import environment
 
@@ -53,7 +70,8 @@ def pytest_report_header(config):
     return [f"conformance: implementation {impl.name} ({impl.version or 'no version'}) on "
             f"{env.get('device')}; arrays {impl.array}/{impl.layout}",
             f"conformance: Hypothesis profile {config.conformance_profile} "
-            f"(max_examples={settings.default.max_examples})"]
+            f"(max_examples={settings.default.max_examples}"
+            f"{'' if Phase.shrink in settings.default.phases else ', no shrinking'})"]
 
 
 @pytest.fixture(scope="session")
@@ -66,3 +84,10 @@ def limits(pytestconfig):
     from .profiles import LIMITS
 
     return LIMITS[pytestconfig.conformance_profile]
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    impl = config.conformance_impl
+    line = impl.costs_line() if impl is not None else None
+    if line:
+        terminalreporter.write_line(f"conformance: {line}")

@@ -87,7 +87,7 @@ def check_case(prop, impl, case, seed=0):
 def _verdict(prop, impl, case, result):
     if result.verdict != "pass":
         raise AssertionError(
-            f"property '{prop}' broken for {impl.name}\n{result.detail}\n"
+            f"property '{prop}' broken for {impl.name}: {result.detail}\n"
             f"case: {case}\nreproduce with the reference beside the implementation:\n"
             + result.reproducer(impl.name))
     return result
