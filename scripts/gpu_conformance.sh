@@ -1,20 +1,64 @@
 #!/usr/bin/env bash
-# On a GPU machine: pytest conformance (gpu profile) against our kernel, timed, then against
-# each PyTorch SDPA backend (profile SDPA_PROFILE, default ci: a report of what each does
-# within the device time). Logs land in $OUT.
+# On a GPU machine, the stages named as arguments (default: kernel numba sdpa), logs in $OUT:
+#   kernel      the kernel's battery and sanitizers (gpu_check --quick), then layout_check.py
+#   numba       pytest conformance against our kernel, gpu profile, timed
+#   sdpa        pytest conformance against each PyTorch SDPA backend: gpu profile,
+#               SDPA_EXAMPLES examples a property, no shrinking (a survey of what each does)
+#   numba+sdpa  both at once, the survey in the background (the GPU has room for both; the
+#               numba time is then an upper bound)
+#   readme      the README's first command with the machine's Python (no network there: the
+#               dependencies must already be installed)
+# CONFORMANCE_ARGS: more pytest options for the numba stage (e.g. --no-shrink).
+# SDPA_IMPLS: the backends to survey (default all four).
+# Time limits: CONFORMANCE_TIMEOUT (numba), SDPA_TIMEOUT (each backend), in seconds. A suite
+# that runs out of time is interrupted (SIGINT), so pytest still prints the failures so far.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-start=$(date +%s)
-timeout "${CONFORMANCE_TIMEOUT:-480}" python3 -m pytest conformance -p no:cacheprovider -q \
-  -W ignore --durations=5 > "$OUT/conformance-numba.log" 2>&1
-echo "pytest conformance (numba, gpu profile): rc=$? in $(( $(date +%s) - start )) s"
-head -4 "$OUT/conformance-numba.log"; tail -12 "$OUT/conformance-numba.log"
-for impl in torch-flash torch-efficient torch-cudnn torch-math; do
+summary() { grep -E "^(conformance:|FAILED|=+ .*(passed|failed|error).* =+$)" "$1" | tail -${2:-4}; }
+
+run_numba() {
+  local start=$(date +%s)
+  timeout -s INT -k 30 "${CONFORMANCE_TIMEOUT:-540}" python3 -m pytest conformance \
+    -p no:cacheprovider -W ignore -rfs --durations=15 ${CONFORMANCE_ARGS:-} \
+    > "$OUT/conformance-numba.log" 2>&1
+  echo "pytest conformance (numba): rc=$? in $(( $(date +%s) - start )) s"
+  head -5 "$OUT/conformance-numba.log" | grep conformance:
+  summary "$OUT/conformance-numba.log" 8
+}
+
+run_sdpa() {
+  for impl in ${SDPA_IMPLS:-torch-flash torch-efficient torch-cudnn torch-math}; do
+    local start=$(date +%s)
+    timeout -s INT -k 30 "${SDPA_TIMEOUT:-120}" python3 -m pytest conformance -p no:cacheprovider \
+      -W ignore -rfs --tb=no -vv --impl "$impl" --max-examples "${SDPA_EXAMPLES:-10}" \
+      --no-shrink > "$OUT/conformance-$impl.log" 2>&1
+    echo "pytest conformance --impl $impl: rc=$? in $(( $(date +%s) - start )) s:" \
+      "$(summary "$OUT/conformance-$impl.log" 1)"
+  done
+}
+
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(kernel numba sdpa)
+for stage in "${stages[@]}"; do
   start=$(date +%s)
-  timeout "${SDPA_TIMEOUT:-60}" python3 -m pytest conformance -p no:cacheprovider -q -W ignore \
-    --impl "$impl" --profile "${SDPA_PROFILE:-ci}" -rfs > "$OUT/conformance-$impl.log" 2>&1
-  echo "pytest conformance --impl $impl: rc=$? in $(( $(date +%s) - start )) s:" \
-    "$(tail -1 "$OUT/conformance-$impl.log")"
+  case $stage in
+    kernel)
+      python3 scripts/gpu_check.py --quick --out "$OUT" > "$OUT/check.log" 2>&1
+      echo "gpu_check: rc=$? in $(( $(date +%s) - start )) s"; tail -3 "$OUT/check.log"
+      python3 scripts/layout_check.py 2>&1 | grep -v Warning | tee "$OUT/layout.log" ;;
+    numba) run_numba ;;
+    sdpa) run_sdpa ;;
+    numba+sdpa)
+      run_sdpa > "$OUT/sdpa-summary.log" 2>&1 &
+      run_numba
+      wait
+      cat "$OUT/sdpa-summary.log" ;;
+    readme)
+      pip install -q --no-deps --no-build-isolation -e . > "$OUT/readme.log" 2>&1
+      python3 -W ignore -m verify numba --json "$OUT/certificate.json" >> "$OUT/readme.log" 2>&1
+      echo "README command: rc=$? in $(( $(date +%s) - start )) s"; tail -4 "$OUT/readme.log" ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+  esac
 done
