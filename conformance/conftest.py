@@ -46,6 +46,7 @@ def pytest_configure(config):
     config.conformance_impl_spec = (config.getoption("--impl") or os.environ.get(ENV_IMPL)
                                     or "numba")
     config.conformance_impl = None
+    _load(config)  # a bad --impl is a usage error now, not an error in every test
 
 
 def _load(config):
@@ -87,6 +88,14 @@ def limits(pytestconfig):
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    """Each broken property on one line (untruncated, whatever the verbosity), then the
+    implementation's costs (compile time)."""
+    for report in terminalreporter.stats.get("failed", []):
+        why = next((ln.strip().removeprefix("E").strip() for ln in report.longreprtext.splitlines()
+                    if "property '" in ln and "' broken for " in ln), None)
+        if why:
+            terminalreporter.write_line(f"conformance: {report.nodeid.split('::')[-1]}: "
+                                        f"{why.removeprefix('AssertionError: ')}")
     impl = config.conformance_impl
     line = impl.costs_line() if impl is not None else None
     if line:

@@ -87,4 +87,5 @@ def kernel(bug=None):
 
     attention.__name__ = f"broken[{bug}]"
     return attention
-BROKEN_SCALE = kernel("wrong-scale")  # for the command-line test
+BROKEN_SCALE = kernel("wrong-scale")  # for the command-line tests
+CORRECT = kernel(None)

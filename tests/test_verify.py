@@ -120,3 +120,40 @@ def test_cli_exit_codes(tmp_path, capsys):
     assert main(["tests.broken_kernels:BROKEN_SCALE", "--dtype", "float32"]) == 1
     assert main(["no-such-kernel"]) == 2
     assert "unknown implementation" in capsys.readouterr().err
+
+
+def test_large_scores_do_not_fail_a_correct_kernel_at_random(monkeypatch):
+    """Scores in the thousands: a correct float32 kernel and the plain implementation both err
+    by about u |s| |v|, on different rows by chance. The floor's score term (criterion.py)
+    keeps every seed passing; without it a quarter of them fail."""
+    import verify.criterion as criterion
+    from verify.cases import Case, make_inputs
+
+    correct = kernel(None)
+    case = Case("large", 4, 4, 4, 17, 33, 64, 8, "float32", values="large")
+
+    def failures():
+        failed = 0
+        for seed in range(20):
+            q, k, v, options = make_inputs(case, seed)
+            out, lse = correct(q, k, v, **options)
+            failed += not all(c.passed for c in criterion.judge(q, k, v, out, lse, **options))
+        return failed
+
+    assert failures() == 0
+    monkeypatch.setattr(criterion, "U_SCORES", 0.0)
+    assert failures() > 0
+
+
+def test_score_term_is_small_for_ordinary_scores():
+    from verify.cases import Case, make_inputs
+    from verify.criterion import EPS, FLOOR_ULPS, score_rounding
+
+    import reference
+
+    first_term = FLOOR_ULPS["float32"] * EPS["float32"]  # at an output scale of 1
+    for n in (16, 4096):  # lse grows like log(n)
+        q, k, v, options = make_inputs(Case("normal", 2, 2, 2, 64, n, 64, 64, "float32"), 0)
+        _, lse = reference.attention(q, k, v, return_lse=True, **options)
+        assert 0 < score_rounding(lse, v) < 4 * first_term
+    assert score_rounding(np.array([-np.inf, np.nan]), np.array([np.inf])) == 0.0

@@ -1,0 +1,39 @@
+"""The conformance suite as a kernel author runs it: implementation selection, the options,
+and what a failure says. Each test runs pytest on conformance/ in a fresh process, against
+NumPy kernels (tests/broken_kernels.py), so it needs no GPU and no simulator."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_conformance(*args):
+    cmd = [sys.executable, "-m", "pytest", "conformance/test_shapes.py", "-p", "no:cacheprovider",
+           "--tb=no", "-W", "ignore", *args]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_a_broken_kernel_fails_and_the_summary_says_why():
+    run = run_conformance("-k", "tile_boundaries", "--impl", "tests.broken_kernels:BROKEN_SCALE",
+                          "--max-examples", "3", "--no-shrink")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "Hypothesis profile ci (max_examples=3, no shrinking)" in run.stdout
+    assert ("conformance: test_tile_boundaries: property 'tile boundaries' broken for "
+            "tests.broken_kernels:BROKEN_SCALE: out: mismatched elements") in run.stdout, run.stdout
+
+
+def test_a_correct_kernel_passes():
+    run = run_conformance("-k", "tile_boundaries or many_heads", "--impl",
+                          "tests.broken_kernels:CORRECT", "--max-examples", "3")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "2 passed" in run.stdout
+
+
+def test_bad_options_are_usage_errors():
+    run = run_conformance("--max-examples", "0")
+    assert run.returncode == 4 and "--max-examples must be at least 1" in run.stderr
+    run = run_conformance("--impl", "no_such_module:fn")
+    assert run.returncode == 4
+    assert "cannot load implementation 'no_such_module:fn'" in run.stderr
