@@ -1,4 +1,5 @@
-"""Selecting the implementation under test, the Hypothesis profile, and the report header."""
+"""Selecting the implementation under test, the Hypothesis profile, the report header and the
+end-of-run summary."""
 import os
 
 import pytest
