@@ -7,7 +7,8 @@ On the same inputs, in one run: our kernel, torch SDPA forced to each backend (f
 efficient, cudnn, math), and the fp32 matrix-product ceiling (torch, TF32 off). Shapes
 (B, H, N, D) = (4, 16, N, 64) and (2, 16, N, 128), causal and not, per dtype; decoding shapes
 (Nq = 1, Nk up to 32768, B * H = 64), with and without split-KV. CUDA events, warm-up,
-median of repeats (about 0.3 s of repeats each, at least 3), inputs redrawn per shape. FLOPs = 4 B H Nq Nk D, halved for causal.
+median of repeats (about 0.3 s of repeats each, at least 3), inputs redrawn per shape.
+FLOPs = 4 B H Nq Nk D, halved for causal.
 --sweep times the kernel's tile variants on two shapes first.
 Writes DIR/attention_speed.json and DIR/attention_speed.png; prints a table.
 """
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from numba import config  # noqa: E402
 
 config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
-from numba_kernels import choose_spec, flash_attention  # noqa: E402
+from numba_kernels import flash_attention  # noqa: E402
 from numba_kernels.flash_fwd import KernelSpec  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

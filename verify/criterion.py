@@ -20,9 +20,10 @@ avoid (u = 2^-24, scores are float32 in every kernel, whatever the input dtype).
 (natural-log units) held in float32 carries an error up to u |s|; shifting the log-weights by
 at most d moves a softmax average of v by at most 2 d max|v|, and the scores that carry weight
 lie within a few units of the row's lse. With scores of ordinary size this term is one to
-four times the first (a few float32 units at the output's scale); with large scores (|s| in the thousands) it dominates, and rightly: there the error
-of a correct kernel and of the plain implementation are both of this size but land on
-different rows by chance, and "within 2x of plain" alone fails correct kernels at random.
+four times the first (a few float32 units at the output's scale); with large scores (|s| in
+the thousands) it dominates, and rightly: there the error of a correct kernel and of the plain
+implementation are both of this size but land on different rows by chance, and "within 2x of
+plain" alone fails correct kernels at random.
 
 Why the plain implementation's error is the right yardstick: the a-priori bound of the
 online-softmax algorithm in float32 (for one row, n visible keys, values bounded by |v|max) is
