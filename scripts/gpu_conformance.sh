@@ -6,8 +6,6 @@
 #               SDPA_EXAMPLES examples a property, no shrinking (a survey of what each does)
 #   numba+sdpa  both at once, the survey in the background (the GPU has room for both; the
 #               numba time is then an upper bound)
-#   readme      the README's first command with the machine's Python (no network there: the
-#               dependencies must already be installed)
 # CONFORMANCE_ARGS: more pytest options for the numba stage (e.g. --no-shrink).
 # SDPA_IMPLS: the backends to survey (default all four).
 # Time limits: CONFORMANCE_TIMEOUT (numba), SDPA_TIMEOUT (each backend), in seconds. A suite
@@ -55,10 +53,6 @@ for stage in "${stages[@]}"; do
       run_numba
       wait
       cat "$OUT/sdpa-summary.log" ;;
-    readme)
-      pip install -q --no-deps --no-build-isolation -e . > "$OUT/readme.log" 2>&1
-      python3 -W ignore -m verify numba --json "$OUT/certificate.json" >> "$OUT/readme.log" 2>&1
-      echo "README command: rc=$? in $(( $(date +%s) - start )) s"; tail -4 "$OUT/readme.log" ;;
     *) echo "unknown stage $stage"; exit 2 ;;
   esac
 done

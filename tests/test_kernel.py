@@ -215,3 +215,29 @@ def test_torch_cpu_tensor_rejected():
     q, k, v = (torch.from_numpy(x) for x in inputs(0))
     with pytest.raises(TypeError, match="q is a CPU tensor"):
         flash_attention(q, k, v)
+
+
+def test_compile_time_is_recorded_only_when_a_launch_compiles(monkeypatch):
+    """specs.launch adds a launch's seconds to COMPILE_SECONDS only when Numba compiled a new
+    version of the kernel (its overloads grew); the simulator compiles nothing."""
+    from numba_kernels import compile_times, specs
+
+    monkeypatch.setattr(specs, "COMPILE_SECONDS", {})
+
+    class Kernel:  # a dispatcher as launch sees it: kernel[config](*args), .overloads
+        def __init__(self):
+            self.overloads = {}
+
+        def __getitem__(self, config):
+            def run(*args):
+                self.overloads.setdefault(type(args[0]), "compiled")
+            return run
+
+    kernel = Kernel()
+    specs.launch(kernel, "k", 1, 1, 0, np.zeros(1))
+    assert list(compile_times()) == ["k"]
+    first = compile_times()["k"]
+    specs.launch(kernel, "k", 1, 1, 0, np.zeros(1))  # same types: no compile
+    assert compile_times()["k"] == first
+    specs.launch(kernel, "k", 1, 1, 0, [0.0])  # new argument types: a second version
+    assert compile_times()["k"] > first
