@@ -1,8 +1,9 @@
 """Loading inputs as float32 and storing outputs in the input dtype, on the GPU and in the
-simulator alike. The one place where the two differ: bfloat16 travels as its 16-bit pattern
-(int16 views: the simulator has no bfloat16 and NumPy needs ml_dtypes for it), and turning bits
-into a float is a libdevice call on the GPU and a NumPy view in the simulator, which has no
-libdevice.
+simulator alike, and the kernel's 128-bit shared-memory load. The places where the two differ:
+bfloat16 travels as its 16-bit pattern (int16 views: the simulator has no bfloat16 and NumPy
+needs ml_dtypes for it), and turning bits into a float is a libdevice call on the GPU and a
+NumPy view in the simulator, which has no libdevice; `load4` is one vector instruction on the
+GPU and four reads in the simulator.
 """
 import numpy as np
 from numba import config, cuda, float32, int32, int64
@@ -22,6 +23,9 @@ def device_function(fn):
 
 if SIMULATOR:
 
+    def load4(words, i):
+        return words[i], words[i + 1], words[i + 2], words[i + 3]
+
     def _bits_to_float(bits):
         return np.uint32(bits & 0xFFFFFFFF).view(np.float32)
 
@@ -29,7 +33,34 @@ if SIMULATOR:
         return int(np.float32(x).view(np.uint32))
 
 else:
+    from llvmlite import ir
+    from numba.core import types
+    from numba.core.extending import intrinsic
     from numba.cuda import libdevice
+
+    @intrinsic
+    def load4(typingctx, words, i):
+        """words[i : i + 4] of a 1-D float32 array as a 4-tuple, in one 128-bit load
+        (ld.shared.v4.f32 when `words` is shared memory). numba-cuda declares shared arrays
+        4-byte aligned and emits one 32-bit load per element; this load promises 16 bytes:
+        the caller keeps i a multiple of 4 and the array's start 16-byte aligned (a kernel's
+        only shared array starts at offset 0 of the block's shared memory)."""
+        if not (isinstance(words, types.Array) and words.ndim == 1
+                and words.dtype == types.float32 and isinstance(i, types.Integer)):
+            return None
+        quad = types.UniTuple(types.float32, 4)
+
+        def codegen(context, builder, signature, args):
+            array = context.make_array(signature.args[0])(context, builder, args[0])
+            index = context.cast(builder, args[1], signature.args[1], types.intp)
+            first = builder.gep(array.data, [index])
+            vector = builder.load(builder.bitcast(first, ir.VectorType(ir.FloatType(), 4)
+                                                  .as_pointer(first.type.addrspace)), align=16)
+            return context.make_tuple(builder, quad, [
+                builder.extract_element(vector, ir.Constant(ir.IntType(32), e))
+                for e in range(4)])
+
+        return quad(words, i), codegen
 
     @device_function
     def _bits_to_float(bits):
