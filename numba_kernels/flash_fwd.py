@@ -172,6 +172,7 @@ def kernel_source(spec):
     THREADS_M, THREADS_N, THREADS = spec.threads_m, spec.threads_n, spec.threads
     TM, TN, TV = BLOCK_M // THREADS_M, BLOCK_N // THREADS_N, DV // THREADS_N
     VV = VEC if TV % VEC == 0 else 1  # output columns a thread owns side by side
+    VEC2 = 2 * VEC  # S takes two load4s a row a step
     Q_W, K_W, V_W, P_W, O_W = spec.widths
     Q_AT, KV_AT, P_AT, STAT_AT = (uint64(x) for x in spec.offsets[:4])
     SHARED_WORDS = spec.offsets[4]
@@ -209,7 +210,7 @@ def kernel_source(spec):
         lo = cuda.local.array(TM, int64)  # each row's visible keys lo <= j < hi
         hi = cuda.local.array(TM, int64)
         s = cuda.local.array((TM, TN), float32)
-        a = cuda.local.array((TM, VEC), float32)
+        a = cuda.local.array((TM, VEC2), float32)
         bb = cuda.local.array(TV, float32)
 
         tid = cuda.threadIdx.x
@@ -255,9 +256,9 @@ def kernel_source(spec):
         lo_last, hi_last = key_range_device(last_row, n_q, kv_len, left, right, bottom_right)
         first_n = max(max(lo_first, 0) // BLOCK_N * BLOCK_N, split * split_len)
         end_n = min(hi_last, kv_len, (split + 1) * split_len)
-        # Head-dim columns past the real d are zeros in both tiles: S stops at d (rounded up
-        # to VEC, the words one load4 takes).
-        d_quads = (d + VEC - 1) // VEC
+        # Head-dim columns past the real d are zeros in both tiles: S stops at d, rounded up
+        # to 2 * VEC (a step pair of load4s; D is a multiple of 16).
+        d_pairs = (d + 2 * VEC - 1) // (2 * VEC)
 
         for start_n in range(first_n, end_n, BLOCK_N):
             # A tile every row sees whole needs no per-key band test.
@@ -273,18 +274,25 @@ def kernel_source(spec):
             for i in range(TM):
                 for j in range(TN):
                     s[i, j] = ZERO
-            for quad in range(d_quads):
-                c = U(quad * VEC)
+            for pair in range(d_pairs):  # two load4s a row: the second overlaps the FMAs
+                c = U(pair * 2 * VEC)
                 for i in range(TM):
-                    a[i, 0], a[i, 1], a[i, 2], a[i, 3] = load4(
-                        words, Q_AT + (uty + U(i * THREADS_M)) * U(Q_W) + c)
+                    q_row = Q_AT + (uty + U(i * THREADS_M)) * U(Q_W) + c
+                    a[i, 0], a[i, 1], a[i, 2], a[i, 3] = load4(words, q_row)
+                    a[i, 4], a[i, 5], a[i, 6], a[i, 7] = load4(words, q_row + U(VEC))
                 for j in range(TN):
-                    k0, k1, k2, k3 = load4(words, KV_AT + (utx + U(j * THREADS_N)) * U(K_W) + c)
+                    k_row = KV_AT + (utx + U(j * THREADS_N)) * U(K_W) + c
+                    k0, k1, k2, k3 = load4(words, k_row)
+                    k4, k5, k6, k7 = load4(words, k_row + U(VEC))
                     for i in range(TM):  # head-dim order, as one thread would sum it
                         s[i, j] += a[i, 0] * k0
                         s[i, j] += a[i, 1] * k1
                         s[i, j] += a[i, 2] * k2
                         s[i, j] += a[i, 3] * k3
+                        s[i, j] += a[i, 4] * k4
+                        s[i, j] += a[i, 5] * k5
+                        s[i, j] += a[i, 6] * k6
+                        s[i, j] += a[i, 7] * k7
 
             # Masked scores become -inf by selection (a NaN score of a hidden key must vanish).
             for i in range(TM):

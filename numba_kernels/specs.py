@@ -37,7 +37,7 @@ TILES = {
     64: (_NARROW, _NARROW),
     80: (_DEEP, _DEEP),
     96: (_SMALL, _SMALL),
-    112: (_DEEP, _DEEP),
+    112: (_DEEP, _SMALL),
     128: (_DEEP, _SMALL),
     160: (_TILE, _TILE),
     192: (_TILE, _TILE),
