@@ -104,7 +104,7 @@ class KernelSpec:
         return self
 
 
-def tile_loader(load, ROWS, COLS, THREADS, WIDTH):
+def tile_loader(load, ROWS, COLS, THREADS, WIDTH, MAX_BATCH):
     """A device function copying a ROWS x COLS tile of a 2-D (N, C) array into shared memory,
     row-major: element (r, c) goes to words[offset + r * WIDTH + c]. Rows >= rows_valid and
     columns >= cols_valid become 0.
@@ -119,7 +119,7 @@ def tile_loader(load, ROWS, COLS, THREADS, WIDTH):
     the test.
     """
     ITERS = ROWS * COLS // THREADS
-    BATCH = next(n for n in (8, 4, 2, 1) if ITERS % n == 0)
+    BATCH = next(n for n in (16, 8, 4, 2, 1) if ITERS % n == 0 and n <= MAX_BATCH)
     ZERO = float32(0.0)
     ROW_THREADS = COLS % THREADS == 0  # the threads cover part of a row, PER_ROW steps a row
     PER_ROW = uint64(max(1, COLS // THREADS))
@@ -180,9 +180,13 @@ def kernel_source(spec):
     load, store, _ = CONVERTERS[spec.dtype]
     if spec.partial:  # split-KV partial results stay float32 until the merge
         store = CONVERTERS["float32"][1]
-    load_q = tile_loader(load, BLOCK_M, D, THREADS, Q_W)
-    load_k = tile_loader(load, BLOCK_N, D, THREADS, K_W)
-    load_v = tile_loader(load, BLOCK_N, DV, THREADS, V_W)
+    # Loads in flight a thread: each batch waits for its global loads once. 16 where the
+    # registers allow (PERF.md, v10: at D = 128 in half precision, batches of 8 were not
+    # unrolled together and cost 15%); the masked variants spill with 16 at some widths.
+    MAX_BATCH = 8 if HAS_MASK else 16
+    load_q = tile_loader(load, BLOCK_M, D, THREADS, Q_W, MAX_BATCH)
+    load_k = tile_loader(load, BLOCK_N, D, THREADS, K_W, MAX_BATCH)
+    load_v = tile_loader(load, BLOCK_N, DV, THREADS, V_W, MAX_BATCH)
     ZERO, NEG_INF = float32(0.0), float32(-math.inf)
     F_LN2 = float32(LN2)
     U = uint64  # shared-memory indices are unsigned: see uty below
@@ -222,13 +226,21 @@ def kernel_source(spec):
         uty = U(ty)
         utx = U(tx)
         # Blocks run over (split, batch, head, query tile). Consecutive blocks share a (batch,
-        # head), so its K and V stay in L2. The last query tile goes first: under causal masks
-        # it has the most keys, and it should not run last. With split-KV (split_kv.py) a block
+        # head), so its K and V stay in L2, and the last query tile of each goes first. Under a
+        # causal band (right >= 0) the later query tiles see more keys: then the blocks run
+        # tile by tile across every (split, batch, head), last tile first, so the longest
+        # blocks start first and none of them runs last. With split-KV (split_kv.py) a block
         # sees only keys [split * split_len, (split + 1) * split_len) and writes a partial
         # result at batch index split * B + b; without it, split = 0.
         batch = kv_lengths.shape[0]
-        bh = int64(cuda.blockIdx.x) // n_tiles
-        tile = n_tiles - 1 - int64(cuda.blockIdx.x) % n_tiles
+        block = int64(cuda.blockIdx.x)
+        if right >= 0:
+            n_bh = int64(cuda.gridDim.x) // n_tiles
+            bh = block % n_bh
+            tile = n_tiles - 1 - block // n_bh
+        else:
+            bh = block // n_tiles
+            tile = n_tiles - 1 - block % n_tiles
         split = bh // (batch * heads_q)
         b = bh // heads_q % batch
         h = bh % heads_q

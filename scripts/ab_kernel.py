@@ -19,7 +19,7 @@ from numba_kernels.flash_fwd import FASTMATH  # noqa: E402
 from numba_kernels.specs import build_kernel  # noqa: E402
 
 SHAPES = [(2, 16, 4096, 128, "float32", False), (4, 16, 4096, 64, "float16", False),
-          (2, 16, 4096, 128, "float32", "bottom_right")]
+          (2, 16, 4096, 128, "float16", False), (2, 16, 4096, 128, "float32", "bottom_right")]
 print(f"{'shape':44s} {'old ms':>8s} {'new ms':>8s} {'new/old':>7s}")
 for B, H, N, D, dtype, causal in SHAPES:
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=DTYPES[dtype]) for _ in range(3))
