@@ -59,6 +59,7 @@ class KernelSpec:
     threads_m: int
     threads_n: int
     partial: bool = False  # out is float32 whatever the input dtype (split-KV, split_kv.py)
+    load_batch: int = 8  # most tile elements a thread loads before storing any (tile_loader)
 
     @property
     def threads(self):
@@ -180,13 +181,10 @@ def kernel_source(spec):
     load, store, _ = CONVERTERS[spec.dtype]
     if spec.partial:  # split-KV partial results stay float32 until the merge
         store = CONVERTERS["float32"][1]
-    # Loads in flight a thread: each batch waits for its global loads once. 16 where the
-    # registers allow (PERF.md, v10: at D = 128 in half precision, batches of 8 were not
-    # unrolled together and cost 15%); the masked variants spill with 16 at some widths.
-    MAX_BATCH = 8 if HAS_MASK else 16
-    load_q = tile_loader(load, BLOCK_M, D, THREADS, Q_W, MAX_BATCH)
-    load_k = tile_loader(load, BLOCK_N, D, THREADS, K_W, MAX_BATCH)
-    load_v = tile_loader(load, BLOCK_N, DV, THREADS, V_W, MAX_BATCH)
+    # Each batch of tile loads waits for global memory once (specs.LOAD_BATCH).
+    load_q = tile_loader(load, BLOCK_M, D, THREADS, Q_W, spec.load_batch)
+    load_k = tile_loader(load, BLOCK_N, D, THREADS, K_W, spec.load_batch)
+    load_v = tile_loader(load, BLOCK_N, DV, THREADS, V_W, spec.load_batch)
     ZERO, NEG_INF = float32(0.0), float32(-math.inf)
     F_LN2 = float32(LN2)
     U = uint64  # shared-memory indices are unsigned: see uty below

@@ -2,8 +2,9 @@
 
     python -m numba_kernels.ptx_report [--cc 9.0] [--jobs 2] [--json PATH]
 
-For each variant (and the split-KV merge kernel of each dtype): numba.cuda.compile_ptx for
-the compute capability, then `ptxas -v`, which reports registers, spills, stack frame and
+For each variant, in both versions Numba compiles (C-contiguous arrays, what contiguous inputs
+launch, and any-layout arrays, for strided inputs), and for the split-KV merge kernel of each
+dtype: numba.cuda.compile_ptx for the compute capability, then `ptxas -v`, which reports registers, spills, stack frame and
 shared memory. A variant fails when it spills, needs a stack frame (arrays that fell out of
 registers into local memory), uses more static shared memory than 48 KB, or has a float64
 instruction in its PTX (a bare Python float turns float32 arithmetic into float64). The CUDA
@@ -38,12 +39,12 @@ def find_ptxas():
 
 
 def check_variant(args):
-    spec, cc, ptxas = args
+    spec, layout, cc, ptxas = args
     from numba_kernels.flash_fwd import STATIC_SHARED_LIMIT
     from numba_kernels.specs import compile_ptx
 
-    ptx = compile_ptx(spec, cc)
-    name = f"merge_splits({spec})" if isinstance(spec, str) else repr(spec)
+    ptx = compile_ptx(spec, cc, layout)
+    name = f"merge_splits({spec})" if isinstance(spec, str) else f"{spec!r} layout {layout}"
     f64 = len(re.findall(r"\.f64\b", ptx))
     arch = f"sm_{cc[0]}{cc[1]}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,11 +86,14 @@ def main(argv=None):
 
     cc = tuple(int(x) for x in a.cc.split("."))
     ptxas = find_ptxas()
-    specs = shipped_specs() + list(DTYPES)  # the kernel variants, then the merge kernels
-    print(f"compiling {len(specs)} variants for sm_{cc[0]}{cc[1]} with {ptxas}", flush=True)
+    # the kernel variants in both layouts, then the merge kernels
+    specs = [(s, layout) for s in shipped_specs() for layout in ("C", "A")]
+    specs += [(dtype, "A") for dtype in DTYPES]
+    print(f"compiling {len(specs)} kernels for sm_{cc[0]}{cc[1]} with {ptxas}", flush=True)
     rows = []
     with ProcessPoolExecutor(a.jobs) as pool:
-        for i, row in enumerate(pool.map(check_variant, [(s, cc, ptxas) for s in specs])):
+        jobs = [(s, layout, cc, ptxas) for s, layout in specs]
+        for i, row in enumerate(pool.map(check_variant, jobs)):
             rows.append(row)
             status = "ok" if row["ok"] else "FAIL " + ",".join(row.get("problems", ["ptxas"]))
             figures = row.get("error") or (f"{row['registers']:3d} regs {row['shared']:6d} B smem "

@@ -45,6 +45,11 @@ TILES = {
     256: (_TILE, _TILE),
 }
 assert tuple(TILES) == HEAD_DIMS
+# (padded width, dtype, has_mask) -> KernelSpec.load_batch where it is not the default 8.
+# Measured (PERF.md, v10 and v11): at width 128, float16, 16 is 9% faster (with 8 the
+# compiler did not unroll the V tile's batches, and each waited for global memory). 16 made
+# width 64 in float16 5% slower, and spills at width 128 in float32 and bfloat16.
+LOAD_BATCH = {(128, "float16", False): 16}
 
 
 def pad(n):
@@ -61,7 +66,8 @@ def choose_spec(d, dv, dtype, has_mask, partial=False):
     width = pad(max(d, dv))
     tiles = TILES[width][has_mask]
     return KernelSpec(width, width, dtype, has_mask, *tiles,
-                      partial=partial and dtype != "float32").check()
+                      partial=partial and dtype != "float32",
+                      load_batch=LOAD_BATCH.get((width, dtype, has_mask), 8)).check()
 
 
 def shipped_specs():
@@ -74,12 +80,19 @@ def shipped_specs():
 _NUMBA_TYPES = {"float32": float32, "float16": float16, "int16": int16}
 
 
-def signature(spec):
-    """Argument types of the kernel for `spec`, with any-layout arrays (for compile_ptx)."""
+def signature(spec, layout="A"):
+    """Argument types of the kernel for `spec` (for compile_ptx). layout "A": any-layout
+    arrays, the version Numba compiles for strided inputs; "C": C-contiguous arrays, the
+    version contiguous inputs launch."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
-    arr4 = elem[:, :, :, :]
-    out4 = float32[:, :, :, :] if spec.partial else arr4
-    return (arr4, arr4, arr4, uint8[:, :, :, :], int32[:], out4, float32[:, :, :],
+    out_elem = float32 if spec.partial else elem
+    if layout == "C":
+        arr4, out4 = elem[:, :, :, ::1], out_elem[:, :, :, ::1]
+        mask4, lengths, lse = uint8[:, :, :, ::1], int32[::1], float32[:, :, ::1]
+    else:
+        arr4, out4 = elem[:, :, :, :], out_elem[:, :, :, :]
+        mask4, lengths, lse = uint8[:, :, :, :], int32[:], float32[:, :, :]
+    return (arr4, arr4, arr4, mask4, lengths, out4, lse,
             int64, int64, int64, int64, int64, int64, int64, float32, int64, int64, int64,
             int64, int64, int64, int64)
 
@@ -138,14 +151,15 @@ def launch_grid(n_q, batch, heads_q, spec, n_splits=1):
     return blocks, spec.threads, n_tiles
 
 
-def compile_ptx(spec, cc=(9, 0)):
-    """PTX of a kernel variant (a KernelSpec) or of the merge kernel for a dtype (a str), for
-    compute capability cc, compiled on any machine (no GPU needed). For the ptxas report
-    (ptx_report.py), in a process of its own: see _device_functions_for."""
+def compile_ptx(spec, cc=(9, 0), layout="A"):
+    """PTX of a kernel variant (a KernelSpec) for array layout "A" or "C" (see signature), or
+    of the merge kernel for a dtype (a str), for compute capability cc, compiled on any machine
+    (no GPU needed). For the ptxas report (ptx_report.py), in a process of its own: see
+    _device_functions_for."""
     if isinstance(spec, str):
         fn, sig = merge_source(spec), merge_signature(spec)
     else:
-        fn, sig = kernel_source(spec), signature(spec)
+        fn, sig = kernel_source(spec), signature(spec, layout)
     with _device_functions_for(cc):
         return cuda.compile_ptx(fn, sig, cc=cc, fastmath=FASTMATH)[0]
 
