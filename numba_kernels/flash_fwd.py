@@ -113,11 +113,12 @@ def tile_loader(load, ROWS, COLS, THREADS, WIDTH, MAX_BATCH):
     Consecutive threads take consecutive columns, so global reads are coalesced and shared
     stores hit consecutive banks. Which (r, c) a thread takes at step k is a constant plus its
     own (tid // COLS, tid % COLS) where the block's threads tile a row, or a row of them, evenly
-    (every shipped width but a few): no division a step. The loads of a batch are all issued
-    before any store, so their latencies overlap; in a tile that is not whole (the last one,
-    or head dims padded with zero columns) out-of-range indices are clamped. Returns nonzero if this thread loaded a NaN
-    or an inf: x * 0 is 0 for every finite x and NaN otherwise, so one FMA an element keeps
-    the test.
+    (every shipped width but a few): no division a step. The loads of a batch (at most
+    MAX_BATCH elements, KernelSpec.load_batch) are all issued before any store, so their
+    latencies overlap; in a tile that is not whole (the last one, or head dims padded with
+    zero columns) out-of-range indices are clamped. Returns nonzero if this thread loaded a
+    NaN or an inf: x * 0 is 0 for every finite x and NaN otherwise, so one FMA an element
+    keeps the test.
     """
     ITERS = ROWS * COLS // THREADS
     BATCH = next(n for n in (16, 8, 4, 2, 1) if ITERS % n == 0 and n <= MAX_BATCH)
@@ -126,7 +127,7 @@ def tile_loader(load, ROWS, COLS, THREADS, WIDTH, MAX_BATCH):
     PER_ROW = uint64(max(1, COLS // THREADS))
     COL_THREADS = not ROW_THREADS and THREADS % COLS == 0  # rows of threads, ROWS_AT_ONCE
     ROWS_AT_ONCE = uint64(max(1, THREADS // COLS))
-    U_ROWS, U_COLS, U_THREADS, U_WIDTH = (uint64(n) for n in (ROWS, COLS, THREADS, WIDTH))
+    U_COLS, U_THREADS, U_WIDTH = uint64(COLS), uint64(THREADS), uint64(WIDTH)
 
     @device_function
     def where(tid, k):
@@ -163,6 +164,7 @@ def tile_loader(load, ROWS, COLS, THREADS, WIDTH, MAX_BATCH):
                 check += x * ZERO
                 words[offset + r * U_WIDTH + c] = x
         return 0 if check == ZERO else 1  # NaN == 0 is false
+
     return load_tile
 
 
