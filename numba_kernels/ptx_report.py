@@ -5,9 +5,10 @@
 For each variant, in both versions Numba compiles (C-contiguous arrays, what contiguous inputs
 launch, and any-layout arrays, for strided inputs), and for the split-KV merge kernel of each
 dtype: numba.cuda.compile_ptx for the compute capability, then `ptxas -v`, which reports
-registers, spills, stack frame and shared memory. A variant fails when it spills, needs a stack frame (arrays that fell out of
-registers into local memory), uses more static shared memory than 48 KB, or has a float64
-instruction in its PTX (a bare Python float turns float32 arithmetic into float64). The CUDA
+registers, spills, stack frame and shared memory. A variant fails when it spills, needs a
+stack frame (arrays that fell out of registers into local memory), uses more static shared
+memory than 48 KB, or has a float64 instruction in its PTX (a bare Python float turns float32
+arithmetic into float64). The CUDA
 simulator cannot show any of this.
 Exit code 0 only when every variant passes.
 """
