@@ -54,6 +54,8 @@ CASES = {  # name: (input shape arguments, options)
     "causal-top-left-Nq<Nk": (dict(Nq=31, Nk=45), dict(causal="top_left")),
     "causal-bottom-right-Nq>Nk": (dict(Nq=45, Nk=31), dict(causal="bottom_right")),
     "causal-bottom-right-Nq<Nk": (dict(Nq=7, Nk=64), dict(causal="bottom_right")),
+    # several query tiles and several (batch, head): causal launches order blocks tile-major
+    "causal-tiles-heads": (dict(Hq=2, Hk=1, Nq=70, Nk=75), dict(causal="bottom_right")),
     "window": (dict(Nq=40, Nk=40), dict(window=(3, 2))),
     "window-0-0": (dict(Nq=9, Nk=9), dict(window=(0, 0))),
     "gqa-dv": (dict(Hq=4, Hk=2, Nq=9, Nk=33, D=16, Dv=24), dict(causal="top_left")),
