@@ -1,4 +1,19 @@
-"""Without a GPU, the Numba kernel runs in the CUDA simulator (set before numba is imported)."""
+"""Without a GPU, the Numba kernel runs in the CUDA simulator (set before numba is imported).
+The PTX gate (tests/test_ptx.py) starts when collected, to run beside the other tests."""
 from verify.device import use_simulator_if_no_gpu
 
 use_simulator_if_no_gpu()
+
+
+def pytest_collection_finish(session):
+    from tests import test_ptx
+
+    if any(item.name == test_ptx.GATE_TEST for item in session.items):
+        # one core beside the simulator tests; every core when it runs alone
+        test_ptx.start_gate(jobs=1 if len(session.items) > 1 else None)
+
+
+def pytest_sessionfinish(session):
+    from tests import test_ptx
+
+    test_ptx.stop_gate()
