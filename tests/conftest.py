@@ -5,6 +5,13 @@ from verify.device import use_simulator_if_no_gpu
 use_simulator_if_no_gpu()
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The gate's test goes last, so that every other test runs while it compiles."""
+    from tests import test_ptx
+
+    items.sort(key=lambda item: item.name == test_ptx.GATE_TEST)  # stable: the rest keep order
+
+
 def pytest_collection_finish(session):
     from tests import test_ptx
 
