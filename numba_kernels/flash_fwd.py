@@ -391,7 +391,7 @@ def kernel_source(spec):
             words[STAT_AT + (uty + U(i * THREADS_M)) * U(THREADS_N) + utx] = l_i[i]
         cuda.syncthreads()  # Barrier: every thread's part of each row sum is written.
         # The rows go through shared memory (Q's words, free now) so that the stores to `out`
-        # are coalesced: a thread's own columns are apart.
+        # are coalesced: a thread's own columns are THREADS_N * VV words apart.
         for i in range(TM):
             r = uty + U(i * THREADS_M)
             l_row = ZERO
