@@ -6,6 +6,7 @@ Runs on NVIDIA GPUs and, unchanged, in Numba's CUDA simulator (NUMBA_ENABLE_CUDA
 Read flash_fwd.py beside reference/tiled.py.
 """
 from .api import flash_attention
-from .specs import MAX_HEAD_DIM, choose_spec, compile_times, shipped_specs
+from .launch import compile_times
+from .specs import MAX_HEAD_DIM, choose_spec, shipped_specs
 
 __all__ = ["flash_attention", "choose_spec", "compile_times", "shipped_specs", "MAX_HEAD_DIM"]

@@ -10,8 +10,8 @@ from numba import cuda
 from reference.contract import check_attention_args, dtype_name, row_lengths
 from .convert import SIMULATOR
 from .flash_fwd import LOG2E
-from .specs import (DTYPES, MAX_HEAD_DIM, build_kernel, build_merge, choose_spec, launch,
-                    launch_grid)
+from .launch import launch
+from .specs import DTYPES, MAX_HEAD_DIM, build_kernel, build_merge, choose_spec, launch_grid
 from .split_kv import choose_splits, split_layout
 
 NO_DEVICE = ("no CUDA GPU is available. To run the kernel on the CPU, set the environment "
@@ -65,7 +65,8 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=
             raise ValueError(f"spec {spec} does not fit D={pb.d}, Dv={pb.dv}, {pb.dtype}, "
                              f"mask={'yes' if has_mask else 'no'}, {n_splits} split(s)")
         mask_dev, steps = io.mask(mask)
-        lengths = io.lengths(np.asarray(row_lengths(pb, kv_lengths), np.int32))
+        lengths = io.lengths(np.asarray(row_lengths(pb, kv_lengths), np.int32),
+                             kv_lengths is not None)
         if n_splits > 1:  # partial results, float32, split s of batch b at s * B + b
             dest = (io.empty((n_splits * pb.batch, pb.heads_q, pb.n_q, pb.dv), "float32"),
                     io.empty((n_splits * pb.batch, pb.heads_q, pb.n_q), "float32"))
@@ -92,7 +93,14 @@ def _sm_count():
     """Streaming multiprocessors of the current device (the simulator pretends one)."""
     if SIMULATOR:
         return 1
-    return cuda.get_current_device().MULTIPROCESSOR_COUNT
+    device = cuda.get_current_device()
+    count = _SM_COUNTS.get(device.id)
+    if count is None:
+        count = _SM_COUNTS[device.id] = device.MULTIPROCESSOR_COUNT
+    return count
+
+
+_SM_COUNTS = {}  # device id -> SMs (an attribute query to the driver each time otherwise)
 
 
 def _kind(x):
@@ -116,11 +124,16 @@ def _io_for(q, k, v, mask, kv_lengths):
             if x is not None and not x.is_cuda:
                 raise TypeError(f"{name} is a CPU tensor: pass CUDA tensors, or NumPy arrays "
                                 f"(copied to the device and back)")
+            if x is not None and x.device != q.device:
+                raise ValueError(f"{name} is on {x.device} and q on {q.device}: pass tensors "
+                                 f"on one device")
     if not cuda.is_available():
         raise RuntimeError(NO_DEVICE)
     if kind == "cuda":
         return _CudaIO(type(q).__module__.startswith("cupy"))
-    return {"numpy": _NumpyIO, "torch": _TorchIO}[kind]()
+    if kind == "torch":
+        return _TorchIO(q.device)
+    return _NumpyIO()
 
 
 class _NumpyIO:
@@ -144,7 +157,7 @@ class _NumpyIO:
         m = np.asarray(mask).reshape((1,) * (4 - mask.ndim) + mask.shape)
         return cuda.to_device(np.ascontiguousarray(m).view(np.uint8)), _steps(m.shape)
 
-    def lengths(self, host):
+    def lengths(self, host, given):
         return cuda.to_device(host)
 
     def result(self, x):
@@ -168,30 +181,50 @@ class _Pending:
 
 
 class _TorchIO:
-    """torch CUDA tensors, zero copy, on torch's current stream."""
+    """torch CUDA tensors, zero copy, on torch's current stream and device. They go to the
+    kernel as tensors (launch.py takes their pointers); the all-true mask and the key counts
+    of calls without kv_lengths are made once per device and size, and kept."""
 
-    def __init__(self):
+    _streams = {}  # CUstream address -> Numba external stream
+    _constants = {}  # (device, what) -> tensor
+
+    def __init__(self, device):
         import torch
 
         self.torch = torch
-        self.stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+        self.device = device
+        handle = torch.cuda.current_stream(device).cuda_stream
+        self.stream = self._streams.get(handle)
+        if self.stream is None:
+            self.stream = self._streams[handle] = cuda.external_stream(handle)
 
     def dev(self, x):
         if x.dtype == self.torch.bfloat16:
             x = x.view(self.torch.int16)
-        return cuda.as_cuda_array(x.detach())
+        return x.detach()
 
     def empty(self, shape, dtype):
-        return self.torch.empty(shape, dtype=getattr(self.torch, dtype), device="cuda")
+        return self.torch.empty(shape, dtype=getattr(self.torch, dtype), device=self.device)
 
     def mask(self, mask):
         if mask is None:
-            mask = self.torch.ones((1, 1, 1, 1), dtype=self.torch.bool, device="cuda")
+            return self._constant("no mask", lambda: self.torch.ones(
+                (1, 1, 1, 1), dtype=self.torch.uint8, device=self.device)), (0, 0, 0, 0)
         m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        return cuda.as_cuda_array(m.contiguous().view(self.torch.uint8)), _steps(m.shape)
+        return m.contiguous().view(self.torch.uint8), _steps(m.shape)
 
-    def lengths(self, host):
-        return cuda.as_cuda_array(self.torch.as_tensor(host, device="cuda"))
+    def lengths(self, host, given):
+        if given:
+            return self.torch.as_tensor(host, device=self.device)
+        return self._constant(("lengths",) + tuple(host), lambda: self.torch.as_tensor(
+            host, device=self.device))
+
+    def _constant(self, what, make):
+        key = (self.device, what)
+        x = self._constants.get(key)
+        if x is None:
+            x = self._constants[key] = make()
+        return x
 
     def result(self, x):
         return x

@@ -59,7 +59,8 @@ class KernelSpec:
     threads_m: int
     threads_n: int
     partial: bool = False  # out is float32 whatever the input dtype (split-KV, split_kv.py)
-    load_batch: int = 8  # most tile elements a thread loads before storing any (tile_loader)
+    qk_load_batch: int = 8  # Q or K tile elements a thread loads before storing any
+    v_load_batch: int = 8  # the same for the V tile (tile_loader)
 
     @property
     def threads(self):
@@ -114,7 +115,7 @@ def tile_loader(load, ROWS, COLS, THREADS, WIDTH, MAX_BATCH):
     stores hit consecutive banks. Which (r, c) a thread takes at step k is a constant plus its
     own (tid // COLS, tid % COLS) where the block's threads tile a row, or a row of them, evenly
     (every shipped width but a few): no division a step. The loads of a batch (at most
-    MAX_BATCH elements, KernelSpec.load_batch) are all issued before any store, so their
+    MAX_BATCH elements) are all issued before any store, so their
     latencies overlap; in a tile that is not whole (the last one, or head dims padded with
     zero columns) out-of-range indices are clamped. Returns nonzero if this thread loaded a
     NaN or an inf: x * 0 is 0 for every finite x and NaN otherwise, so one FMA an element
@@ -183,10 +184,11 @@ def kernel_source(spec):
     load, store, _ = CONVERTERS[spec.dtype]
     if spec.partial:  # split-KV partial results stay float32 until the merge
         store = CONVERTERS["float32"][1]
-    # Each batch of tile loads waits for global memory once (specs.LOAD_BATCH).
-    load_q = tile_loader(load, BLOCK_M, D, THREADS, Q_W, spec.load_batch)
-    load_k = tile_loader(load, BLOCK_N, D, THREADS, K_W, spec.load_batch)
-    load_v = tile_loader(load, BLOCK_N, DV, THREADS, V_W, spec.load_batch)
+    # Each batch of tile loads waits for global memory once; larger batches cost registers
+    # (specs.LOAD_BATCH chooses them per variant).
+    load_q = tile_loader(load, BLOCK_M, D, THREADS, Q_W, spec.qk_load_batch)
+    load_k = tile_loader(load, BLOCK_N, D, THREADS, K_W, spec.qk_load_batch)
+    load_v = tile_loader(load, BLOCK_N, DV, THREADS, V_W, spec.v_load_batch)
     ZERO, NEG_INF = float32(0.0), float32(-math.inf)
     F_LN2 = float32(LN2)
     U = uint64  # shared-memory indices are unsigned: see uty below

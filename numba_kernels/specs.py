@@ -3,7 +3,6 @@
 Tile sizes are bounded by static shared memory (48 KB a block, see KernelSpec.shared_bytes):
 the Q tile and the K tile are D words per row, so larger head dims take smaller tiles.
 """
-import time
 from contextlib import contextmanager
 from functools import lru_cache
 from types import SimpleNamespace
@@ -45,17 +44,20 @@ TILES = {
     256: (_TILE, _TILE),
 }
 assert tuple(TILES) == HEAD_DIMS
-# (padded width, dtype, has_mask) -> KernelSpec.load_batch where it is not the default 8.
-# Measured (PERF.md, v10 and v11): at width 128, float16, 16 is 9% faster (with 8 the
-# compiler did not unroll the V tile's batches, and each waited for global memory). 16 made
-# width 64 in float16 5% slower, and spills at width 128 in float32 and bfloat16.
-LOAD_BATCH = {(128, "float16", False): 16}
+# (padded width, dtype, has_mask) -> KernelSpec (qk_load_batch, v_load_batch) where they are
+# not the default (8, 8). Measured (PERF.md, v10 to v12): at width 128 the compiler keeps the
+# 16-bit V loader's four batches of 8 in a loop, each waiting for global memory. Batches of 16
+# for Q, K and V made float16 9% faster there (and width 64 in float16 5% slower). bfloat16
+# spills with all three at 16; with V alone at 16 it compiles clean and runs 5% faster, while
+# float16 with Q and K back at 8 runs 6% slower.
+LOAD_BATCH = {(128, "float16", False): (16, 16), (128, "bfloat16", False): (8, 16)}
 
 
 def pad(n):
     return next(d for d in HEAD_DIMS if d >= n)
 
 
+@lru_cache(maxsize=None)
 def choose_spec(d, dv, dtype, has_mask, partial=False):
     """The variant for head dims d, dv (unpadded), input dtype, whether a mask is given, and
     whether it writes float32 partial results for split-KV (split_kv.py).
@@ -65,9 +67,10 @@ def choose_spec(d, dv, dtype, has_mask, partial=False):
     partial results are the output itself: one variant serves both."""
     width = pad(max(d, dv))
     tiles = TILES[width][has_mask]
+    qk_batch, v_batch = LOAD_BATCH.get((width, dtype, has_mask), (8, 8))
     return KernelSpec(width, width, dtype, has_mask, *tiles,
-                      partial=partial and dtype != "float32",
-                      load_batch=LOAD_BATCH.get((width, dtype, has_mask), 8)).check()
+                      partial=partial and dtype != "float32", qk_load_batch=qk_batch,
+                      v_load_batch=v_batch).check()
 
 
 def shipped_specs():
@@ -102,16 +105,6 @@ def merge_signature(dtype):
     return (float32[:, :, :, :], float32[:, :, :], out4, float32[:, :, :], int64)
 
 
-# What compiling took in this process: KernelSpec (or merge dtype) -> seconds.
-COMPILE_SECONDS = {}
-
-
-def compile_times():
-    """{KernelSpec or merge dtype: seconds} for every kernel this process compiled so far (the
-    first call of a variant pays its compile; later calls reuse it)."""
-    return dict(COMPILE_SECONDS)
-
-
 @lru_cache(maxsize=None)
 def build_kernel(spec):
     """The kernel for `spec`. Numba compiles it at the first launch for the argument types it
@@ -130,16 +123,6 @@ def _jit(fn):
     if SIMULATOR:  # the simulator takes no fastmath
         return cuda.jit(fn)
     return cuda.jit(fastmath=FASTMATH)(fn)
-
-
-def launch(kernel, key, blocks, threads, stream, *args):
-    """kernel[blocks, threads, stream](*args); when the launch compiled a new version of the
-    kernel, the seconds it took are added to COMPILE_SECONDS[key]."""
-    versions = len(getattr(kernel, "overloads", ()))  # the simulator compiles nothing
-    t0 = time.perf_counter()
-    kernel[blocks, threads, stream](*args)
-    if len(getattr(kernel, "overloads", ())) > versions:
-        COMPILE_SECONDS[key] = COMPILE_SECONDS.get(key, 0.0) + time.perf_counter() - t0
 
 
 def launch_grid(n_q, batch, heads_q, spec, n_splits=1):

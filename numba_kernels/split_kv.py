@@ -24,10 +24,12 @@ MIN_TILES_PER_SPLIT = 4  # key tiles a split walks at least: a split is worth a 
 def choose_splits(blocks, n_k, block_n, n_sm):
     """How many key ranges to split into, and each one's length (a multiple of block_n).
 
-    blocks: thread blocks without splitting. Splits only until the GPU holds
-    FILL_BLOCKS_PER_SM blocks per SM, and never below MIN_TILES_PER_SPLIT key tiles a split."""
+    blocks: thread blocks without splitting. Splits only as far as the GPU holds all blocks
+    at once (FILL_BLOCKS_PER_SM a SM), so a launch that already fills more than half of that
+    is not split (it would pay the merge and gain no SM), and never below MIN_TILES_PER_SPLIT
+    key tiles a split."""
     key_tiles = -(-n_k // block_n)
-    want = -(-n_sm * FILL_BLOCKS_PER_SM // blocks)
+    want = n_sm * FILL_BLOCKS_PER_SM // blocks
     n_splits = max(1, min(want, key_tiles // MIN_TILES_PER_SPLIT))
     return split_layout(n_k, block_n, n_splits)
 

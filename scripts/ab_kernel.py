@@ -5,6 +5,7 @@
 
 Medians of CUDA events (attention_speed.time_ms), alternating old and new three times.
 """
+import dataclasses
 import os
 import sys
 
@@ -19,12 +20,27 @@ from numba_kernels.flash_fwd import FASTMATH  # noqa: E402
 from numba_kernels.specs import build_kernel  # noqa: E402
 
 SHAPES = [(2, 16, 4096, 128, "float32", False), (4, 16, 4096, 64, "float16", False),
-          (2, 16, 4096, 128, "float16", False), (2, 16, 4096, 128, "float32", "bottom_right")]
+          (2, 16, 4096, 128, "float16", False), (2, 16, 4096, 128, "bfloat16", False),
+          (2, 16, 4096, 128, "float32", "bottom_right"), (2, 16, 8192, 128, "float32", False)]
+# Fields of the old KernelSpec that the new one lacks, per (width, dtype, has_mask): what the
+# old specs.py chose for them (v11: load_batch, 16 for float16 at width 128, else 8).
+OLD_FIELDS = {(128, "float16", False): {"load_batch": 16}}
+
+
+def old_spec(spec):
+    """The old module's KernelSpec for the variant `spec` selects: the fields both have are
+    copied; one only the old has takes OLD_FIELDS's value, else its default."""
+    names = {f.name for f in dataclasses.fields(old.KernelSpec)}
+    fields = {n: getattr(spec, n) for n in names if hasattr(spec, n)}
+    fields.update(OLD_FIELDS.get((spec.d, spec.dtype, spec.has_mask), {}))
+    return old.KernelSpec(**fields)
+
+
 print(f"{'shape':44s} {'old ms':>8s} {'new ms':>8s} {'new/old':>7s}")
 for B, H, N, D, dtype, causal in SHAPES:
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=DTYPES[dtype]) for _ in range(3))
     spec = choose_spec(D, D, dtype, False)
-    old_kernel = cuda.jit(fastmath=FASTMATH)(old.kernel_source(spec))
+    old_kernel = cuda.jit(fastmath=FASTMATH)(old.kernel_source(old_spec(spec)))
     times = {"old": [], "new": []}
     for _ in range(3):
         for name in ("old", "new"):

@@ -154,6 +154,21 @@ def test_split_kv(name, poisoned):
                                rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("blocks, n_k, want", [
+    (64, 32768, 8),  # decoding, 64 (b, h): 8 splits fill 132 SMs x 4 blocks
+    (64, 128, 2),  # 8 key tiles of 16: at least 4 tiles a split
+    (264, 8192, 2),  # half the resident blocks: two splits fill the GPU
+    (512, 1024, 1),  # 512 of 528 resident blocks: a split would only add the merge
+    (4096, 8192, 1),
+])
+def test_choose_splits(blocks, n_k, want):
+    from numba_kernels.split_kv import choose_splits
+
+    n_splits, split_len = choose_splits(blocks, n_k, 16, n_sm=132)
+    assert n_splits == want
+    assert split_len % 16 == 0 and (n_splits - 1) * split_len < n_k <= n_splits * split_len
+
+
 def test_split_kv_nan_reaches_only_its_rows():
     q, k, v = inputs(6, Nq=3, Nk=90)
     v[0, 0, 80, 3] = np.nan  # the last split; row 0 (top-left causal) never sees key 80
@@ -220,11 +235,11 @@ def test_torch_cpu_tensor_rejected():
 
 
 def test_compile_time_is_recorded_only_when_a_launch_compiles(monkeypatch):
-    """specs.launch adds a launch's seconds to COMPILE_SECONDS only when Numba compiled a new
+    """launch adds a launch's seconds to COMPILE_SECONDS only when Numba compiled a new
     version of the kernel (its overloads grew); the simulator compiles nothing."""
-    from numba_kernels import compile_times, specs
+    from numba_kernels import compile_times, launch
 
-    monkeypatch.setattr(specs, "COMPILE_SECONDS", {})
+    monkeypatch.setattr(launch, "COMPILE_SECONDS", {})
 
     class Kernel:  # a dispatcher as launch sees it: kernel[config](*args), .overloads
         def __init__(self):
@@ -236,10 +251,10 @@ def test_compile_time_is_recorded_only_when_a_launch_compiles(monkeypatch):
             return run
 
     kernel = Kernel()
-    specs.launch(kernel, "k", 1, 1, 0, np.zeros(1))
+    launch.launch(kernel, "k", 1, 1, 0, np.zeros(1))
     assert list(compile_times()) == ["k"]
     first = compile_times()["k"]
-    specs.launch(kernel, "k", 1, 1, 0, np.zeros(1))  # same types: no compile
+    launch.launch(kernel, "k", 1, 1, 0, np.zeros(1))  # same types: no compile
     assert compile_times()["k"] == first
-    specs.launch(kernel, "k", 1, 1, 0, [0.0])  # new argument types: a second version
+    launch.launch(kernel, "k", 1, 1, 0, [0.0])  # new argument types: a second version
     assert compile_times()["k"] > first

@@ -1,0 +1,120 @@
+"""Launching a compiled kernel, with little host work per call for torch tensors.
+
+Numba's `kernel[blocks, threads, stream](*args)` types every argument and flattens every array
+into the kernel's parameters (its data pointer, shape and strides) at each call; turning a torch
+tensor into a Numba device array (cuda.as_cuda_array) costs more. For flash_fwd's 22 arguments
+that was about half a millisecond of host time a call on the H200's host, as long as the kernel
+itself at N = 1024 (PERF.md, v12), and the GPU waits for it whenever the caller waits for
+each result.
+
+So `launch` keeps, for each kernel and argument layout (the tensors' dtypes, shapes and
+strides, the scalars' values, the grid), the compiled function and its flattened parameter list.
+The first call of a layout goes through Numba's own launch, which compiles the variant when it
+is new; a later call with the same layout only writes the tensors' data pointers into a copy of
+the list and launches through cuda.core, as Numba itself does. NumPy, CuPy and Numba device
+arrays, and every call in the simulator, take Numba's launch each time.
+"""
+import time
+
+from numba import cuda
+
+from .convert import SIMULATOR
+
+# What compiling took in this process: KernelSpec (or merge dtype) -> seconds.
+COMPILE_SECONDS = {}
+# Launches that reused a cached parameter list (for the GPU checks: the fast path ran).
+FAST_LAUNCHES = [0]
+MAX_PLANS = 4096
+_PLANS = {}  # layout -> _Plan, or None where a layout cannot take the fast path
+_CORE_STREAMS = {}  # Numba stream handle -> cuda.core Stream
+
+
+def compile_times():
+    """{KernelSpec or merge dtype: seconds} for every kernel this process compiled so far (the
+    first call of a variant pays its compile; later calls reuse it)."""
+    return dict(COMPILE_SECONDS)
+
+
+def launch(kernel, key, blocks, threads, stream, *args):
+    """kernel[blocks, threads, stream](*args), where array arguments may also be torch CUDA
+    tensors. When the launch compiled a new version of the kernel, the seconds it took are
+    added to COMPILE_SECONDS[key]."""
+    tensors = [i for i, a in enumerate(args) if hasattr(a, "data_ptr")]
+    if SIMULATOR or not tensors:
+        _numba_launch(kernel, key, blocks, threads, stream, args)
+        return
+    layout = (kernel, blocks, threads, _handle(stream)) + tuple(
+        (a.dtype, a.shape, a.stride(), a.get_device()) if i in tensors else (type(a), a)
+        for i, a in enumerate(args))
+    plan = _PLANS.get(layout, False)
+    if plan is False:  # first call of this layout
+        if len(_PLANS) >= MAX_PLANS:  # many shapes (varying sequence lengths): start over
+            _PLANS.clear()
+        devs = tuple(cuda.as_cuda_array(a) if i in tensors else a for i, a in enumerate(args))
+        _numba_launch(kernel, key, blocks, threads, stream, devs)
+        _PLANS[layout] = _Plan.build(kernel, blocks, threads, stream, devs, tensors)
+    elif plan is None:
+        devs = tuple(cuda.as_cuda_array(a) if i in tensors else a for i, a in enumerate(args))
+        _numba_launch(kernel, key, blocks, threads, stream, devs)
+    else:
+        plan.launch(args)
+        FAST_LAUNCHES[0] += 1
+
+
+def _numba_launch(kernel, key, blocks, threads, stream, args):
+    versions = len(getattr(kernel, "overloads", ()))  # the simulator compiles nothing
+    t0 = time.perf_counter()
+    kernel[blocks, threads, stream](*args)
+    if len(getattr(kernel, "overloads", ())) > versions:
+        COMPILE_SECONDS[key] = COMPILE_SECONDS.get(key, 0.0) + time.perf_counter() - t0
+
+
+def _handle(stream):
+    """The CUstream address of a Numba stream (0 for the default stream)."""
+    if not stream:
+        return 0
+    handle = stream.handle
+    return int(getattr(handle, "value", handle) or 0)
+
+
+class _Plan:
+    """A compiled kernel's function, launch configuration and flattened parameters, with the
+    positions of the data pointers to fill in at each launch."""
+
+    def __init__(self, function, config, stream, params, pointer_slots):
+        self.function, self.config, self.stream = function, config, stream
+        self.params, self.pointer_slots = params, pointer_slots
+
+    @classmethod
+    def build(cls, kernel, blocks, threads, stream, devs, tensors):
+        """The plan for the launch just made with `devs`, or None where this numba-cuda does
+        not have the internals it needs (then every call takes Numba's launch)."""
+        try:
+            from cuda.core import LaunchConfig, Stream, launch
+
+            compiled = kernel.overloads[tuple(kernel.typeof_pyval(a) for a in devs)]
+            params, slots = [], []
+            for i, (ty, value) in enumerate(zip(compiled.argument_types, devs)):
+                start = len(params)
+                compiled._prepare_args(ty, value, stream, [], params)
+                if i in tensors:  # meminfo, parent, size, itemsize, data, shape, strides
+                    if params[start + 4] != value.device_ctypes_pointer.value:
+                        return None
+                    slots.append((start + 4, i))
+            function = compiled._codelibrary.get_cufunc().kernel
+            handle = _handle(stream)
+            core_stream = _CORE_STREAMS.get(handle)
+            if core_stream is None:
+                core_stream = _CORE_STREAMS[handle] = Stream.from_handle(handle)
+        except (AttributeError, ImportError, KeyError, TypeError):
+            return None
+        plan = cls(function, LaunchConfig(grid=blocks, block=threads, shmem_size=0),
+                   core_stream, params, slots)
+        plan._launch = launch
+        return plan
+
+    def launch(self, args):
+        params = list(self.params)
+        for slot, i in self.pointer_slots:
+            params[slot] = args[i].data_ptr()
+        self._launch(self.stream, self.config, self.function, *params)

@@ -1,0 +1,122 @@
+"""Where the time of one flash_attention call goes at small N, on a GPU with torch tensors.
+
+    python scripts/host_overhead.py [--out DIR]
+
+For each shape, three figures in milliseconds:
+- call: CUDA events around one flash_attention call after a synchronize, median (what
+  benchmarks/attention_speed.py reports: the host work before the launch is inside it, since
+  the GPU waits for it);
+- kernel: the call's main kernel launched ten times back to back with the arguments of one
+  call, events around the ten, divided by ten (the GPU's time, when launches queue faster
+  than the kernel runs; a split-KV merge is not in it);
+- launch: host milliseconds of that launch alone (the api's `launch` function).
+Then a cProfile of 50 calls of the first shape (the functions with the most own time), written
+to DIR/host_profile.txt with its first lines printed.
+When numba_kernels/_ab_old_api.py exists (git show REV:numba_kernels/api.py), its calls are
+timed too, alternating with the working tree's.
+"""
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+from functools import partial
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.attention_speed import time_ms  # noqa: E402
+from numba_kernels import api  # noqa: E402
+
+try:
+    from numba_kernels import _ab_old_api as old_api  # noqa: E402
+except ImportError:
+    old_api = None
+
+SHAPES = [(2, 16, 1024, 1024, 128, False), (4, 16, 1024, 1024, 64, False),
+          (2, 16, 2048, 2048, 128, False), (2, 16, 1024, 1024, 128, "bottom_right"),
+          (8, 8, 1, 4096, 128, False)]  # (B, H, Nq, Nk, D, causal)
+
+
+def captured_launch(module, q, k, v, causal):
+    """A function that repeats the main kernel launch of one call, as the api made it."""
+    seen = []
+    real = module.launch
+
+    def spy(*args):
+        seen.append(args)
+        real(*args)
+
+    module.launch = spy
+    try:
+        module.flash_attention(q, k, v, causal=causal)
+    finally:
+        module.launch = real
+    torch.cuda.synchronize()
+    return partial(real, *seen[0])
+
+
+def kernel_ms(relaunch, reps=10):
+    best = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        for _ in range(reps):
+            relaunch()
+        b.record()
+        b.synchronize()
+        best.append(a.elapsed_time(b) / reps)
+    return float(np.median(best))
+
+
+def launch_ms(relaunch):
+    times = []
+    for _ in range(20):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        relaunch()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e3 * float(np.median(times))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="out")
+    out = parser.parse_args().out
+    os.makedirs(out, exist_ok=True)
+    modules = [("new", api)] + ([("old", old_api)] if old_api else [])
+    print(f"{'shape':36s} {'api':4s} {'call':>7s} {'kernel':>7s} {'launch':>7s}")
+    for B, H, n_q, n_k, d, causal in SHAPES:
+        q = torch.randn(B, H, n_q, d, device="cuda")
+        k, v = (torch.randn(B, H, n_k, d, device="cuda") for _ in range(2))
+        for name, module in modules * 2:
+            call = time_ms(partial(module.flash_attention, q, k, v, causal=causal))[0]
+            relaunch = captured_launch(module, q, k, v, causal)
+            kern = kernel_ms(relaunch)
+            host = launch_ms(relaunch)
+            shape = str((B, H, n_q, n_k, d, causal))
+            print(f"{shape:36s} {name:4s} {call:7.3f} {kern:7.3f} {host:7.3f}", flush=True)
+    q, k, v = (torch.randn(2, 16, 1024, 128, device="cuda") for _ in range(3))
+    for name, module in modules:
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(50):
+            module.flash_attention(q, k, v)
+        torch.cuda.synchronize()
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+        with open(os.path.join(out, f"host_profile_{name}.txt"), "w") as f:
+            f.write(text.getvalue())
+        lines = [ln for ln in text.getvalue().splitlines() if ln.strip()]
+        print(f"--- cProfile, 50 calls of (2, 16, 1024, 128), {name} api")
+        print("\n".join(lines[:22]))
+
+
+if __name__ == "__main__":
+    main()
