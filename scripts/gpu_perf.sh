@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # On a GPU machine: the kernel's correctness battery and sanitizers (gpu_check --quick), an
 # A/B timing against an older kernel when numba_kernels/_ab_old_flash_fwd.py exists (see
-# scripts/ab_kernel.py), an ncu profile of the kernels for NCU_DIMS, then the benchmark (tile
-# sweep, decoding with and without split-KV, every shape within BENCH_BUDGET seconds).
-# STEPS picks the parts (default "check ab ncu bench"). Everything lands in $OUT.
+# scripts/ab_kernel.py), where the time of a small call goes (scripts/host_overhead.py), an
+# ncu profile of the kernels for NCU_DIMS, then the benchmark (tile sweep, decoding with and
+# without split-KV, every shape within BENCH_BUDGET seconds).
+# STEPS picks the parts (default "check ab host ncu bench"). Everything lands in $OUT.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STEPS=${STEPS:-check ab ncu bench}
+STEPS=${STEPS:-check ab host ncu bench}
 step() { [[ " $STEPS " == *" $1 "* ]]; }
 if step check; then
   start=$(date +%s)
@@ -20,6 +21,10 @@ if step ab && [[ -f numba_kernels/_ab_old_flash_fwd.py ]]; then
   start=$(date +%s)
   timeout 150 python3 scripts/ab_kernel.py > "$OUT/ab.log" 2>&1
   echo "ab rc=$? in $(( $(date +%s) - start )) s"; cat "$OUT/ab.log" | tail -5
+fi
+if step host; then
+  timeout 150 python3 scripts/host_overhead.py --out "$OUT" > "$OUT/host.log" 2>&1
+  echo "host_overhead rc=$?"; grep -v Warning "$OUT/host.log" | head -12
 fi
 if step ncu; then
   for D in ${NCU_DIMS:-64 128}; do
