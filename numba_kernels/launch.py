@@ -47,18 +47,16 @@ def launch(kernel, key, blocks, threads, stream, *args):
         (a.dtype, a.shape, a.stride(), a.get_device()) if i in tensors else (type(a), a)
         for i, a in enumerate(args))
     plan = _PLANS.get(layout, False)
-    if plan is False:  # first call of this layout
-        if len(_PLANS) >= MAX_PLANS:  # many shapes (varying sequence lengths): start over
-            _PLANS.clear()
-        devs = tuple(cuda.as_cuda_array(a) if i in tensors else a for i, a in enumerate(args))
-        _numba_launch(kernel, key, blocks, threads, stream, devs)
-        _PLANS[layout] = _Plan.build(kernel, blocks, threads, stream, devs, tensors)
-    elif plan is None:
-        devs = tuple(cuda.as_cuda_array(a) if i in tensors else a for i, a in enumerate(args))
-        _numba_launch(kernel, key, blocks, threads, stream, devs)
-    else:
+    if plan:
         plan.launch(args)
         FAST_LAUNCHES[0] += 1
+        return
+    devs = tuple(cuda.as_cuda_array(a) if i in tensors else a for i, a in enumerate(args))
+    _numba_launch(kernel, key, blocks, threads, stream, devs)
+    if plan is False:  # the first call of this layout (None: it cannot take the fast path)
+        if len(_PLANS) >= MAX_PLANS:  # many shapes (varying sequence lengths): start over
+            _PLANS.clear()
+        _PLANS[layout] = _Plan.build(kernel, blocks, threads, stream, devs, tensors)
 
 
 def _numba_launch(kernel, key, blocks, threads, stream, args):
@@ -67,6 +65,13 @@ def _numba_launch(kernel, key, blocks, threads, stream, args):
     kernel[blocks, threads, stream](*args)
     if len(getattr(kernel, "overloads", ())) > versions:
         COMPILE_SECONDS[key] = COMPILE_SECONDS.get(key, 0.0) + time.perf_counter() - t0
+
+
+def _cuda_core():
+    """cuda.core's launch API (Numba launches through it too)."""
+    from cuda.core import LaunchConfig, Stream, launch
+
+    return LaunchConfig, Stream, launch
 
 
 def _handle(stream):
@@ -90,8 +95,7 @@ class _Plan:
         """The plan for the launch just made with `devs`, or None where this numba-cuda does
         not have the internals it needs (then every call takes Numba's launch)."""
         try:
-            from cuda.core import LaunchConfig, Stream, launch
-
+            LaunchConfig, Stream, launch = _cuda_core()
             compiled = kernel.overloads[tuple(kernel.typeof_pyval(a) for a in devs)]
             params, slots = [], []
             for i, (ty, value) in enumerate(zip(compiled.argument_types, devs)):
