@@ -7,8 +7,9 @@ that was about half a millisecond of host time a call on the H200's host, as lon
 itself at N = 1024 (PERF.md, v12), and the GPU waits for it whenever the caller waits for
 each result.
 
-So `launch` keeps, for each kernel and argument layout (the tensors' dtypes, shapes and
-strides, the scalars' values, the grid), the compiled function and its flattened parameter list.
+So `launch` keeps, for each kernel and argument layout (the tensors' dtypes, shapes, strides
+and device, the scalars' values, the grid and the stream), the compiled function and its
+flattened parameter list.
 The first call of a layout goes through Numba's own launch, which compiles the variant when it
 is new; a later call with the same layout only writes the tensors' data pointers into a copy of
 the list and launches through cuda.core, as Numba itself does. NumPy, CuPy and Numba device
