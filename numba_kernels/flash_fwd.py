@@ -22,8 +22,9 @@ by KernelSpec.offsets, every tile row-major, widths from KernelSpec.widths:
     K, V  (BLOCK_N, D + 4), then the V tile (BLOCK_N, DV) in the same words
     P     (BLOCK_M, BLOCK_N + 4)
     stats (BLOCK_M, THREADS_N): each thread's part of its rows' max, at the end of their sums
-S takes four head-dim columns a step from a row of Q and a row of K; P V takes four keys a
-step from a row of P, and for each key a thread's output columns of V, four side by side.
+S takes eight head-dim columns a step from a row of Q and a row of K (two 128-bit loads each);
+P V takes four keys a step from a row of P, and for each key a thread's output columns of V,
+four side by side.
 
 All sizes are closure ints of the factory: the CUDA compiler needs literal shared-array shapes.
 """
@@ -115,9 +116,9 @@ def tile_loader(load, ROWS, COLS, THREADS, WIDTH, MAX_BATCH):
     stores hit consecutive banks. Which (r, c) a thread takes at step k is a constant plus its
     own (tid // COLS, tid % COLS) where the block's threads tile a row, or a row of them, evenly
     (every shipped width but a few): no division a step. The loads of a batch (at most
-    MAX_BATCH elements) are all issued before any store, so their
-    latencies overlap; in a tile that is not whole (the last one, or head dims padded with
-    zero columns) out-of-range indices are clamped. Returns nonzero if this thread loaded a
+    MAX_BATCH elements) are all issued before any store, so their latencies overlap; in a tile
+    that is not whole (the last one, or head dims padded with zero columns) out-of-range
+    indices are clamped. Returns nonzero if this thread loaded a
     NaN or an inf: x * 0 is 0 for every finite x and NaN otherwise, so one FMA an element
     keeps the test.
     """

@@ -87,8 +87,8 @@ class _Plan:
     """A compiled kernel's function, launch configuration and flattened parameters, with the
     positions of the data pointers to fill in at each launch."""
 
-    def __init__(self, function, config, stream, params, pointer_slots):
-        self.function, self.config, self.stream = function, config, stream
+    def __init__(self, launch, function, config, stream, params, pointer_slots):
+        self._launch, self.function, self.config, self.stream = launch, function, config, stream
         self.params, self.pointer_slots = params, pointer_slots
 
     @classmethod
@@ -113,10 +113,8 @@ class _Plan:
                 core_stream = _CORE_STREAMS[handle] = Stream.from_handle(handle)
         except (AttributeError, ImportError, KeyError, TypeError):
             return None
-        plan = cls(function, LaunchConfig(grid=blocks, block=threads, shmem_size=0),
+        return cls(launch, function, LaunchConfig(grid=blocks, block=threads, shmem_size=0),
                    core_stream, params, slots)
-        plan._launch = launch
-        return plan
 
     def launch(self, args):
         params = list(self.params)

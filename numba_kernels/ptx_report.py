@@ -8,8 +8,7 @@ dtype: numba.cuda.compile_ptx for the compute capability, then `ptxas -v`, which
 registers, spills, stack frame and shared memory. A variant fails when it spills, needs a
 stack frame (arrays that fell out of registers into local memory), uses more static shared
 memory than 48 KB, or has a float64 instruction in its PTX (a bare Python float turns float32
-arithmetic into float64). The CUDA
-simulator cannot show any of this.
+arithmetic into float64). The CUDA simulator cannot show any of this.
 Exit code 0 only when every variant passes.
 """
 import argparse

@@ -48,8 +48,8 @@ assert tuple(TILES) == HEAD_DIMS
 # not the default (8, 8). Measured (PERF.md, v10 to v12): at width 128 the compiler keeps the
 # 16-bit V loader's four batches of 8 in a loop, each waiting for global memory. Batches of 16
 # for Q, K and V made float16 9% faster there (and width 64 in float16 5% slower). bfloat16
-# spills with all three at 16; with V alone at 16 it compiles clean and runs 5% faster, while
-# float16 with Q and K back at 8 runs 6% slower.
+# spills with all three at 16; with V alone at 16 it compiles clean and runs 6% faster (0.938
+# of v11), while float16 with Q and K back at 8 runs 6% slower.
 LOAD_BATCH = {(128, "float16", False): (16, 16), (128, "bfloat16", False): (8, 16)}
 
 

@@ -32,7 +32,8 @@ def old_spec(spec):
     copied; one only the old has takes OLD_FIELDS's value, else its default."""
     names = {f.name for f in dataclasses.fields(old.KernelSpec)}
     fields = {n: getattr(spec, n) for n in names if hasattr(spec, n)}
-    fields.update(OLD_FIELDS.get((spec.d, spec.dtype, spec.has_mask), {}))
+    fields.update((n, x) for n, x in OLD_FIELDS.get((spec.d, spec.dtype, spec.has_mask), {})
+                  .items() if n in names and not hasattr(spec, n))
     return old.KernelSpec(**fields)
 
 

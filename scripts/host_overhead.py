@@ -11,7 +11,7 @@ For each shape, three figures in milliseconds:
   than the kernel runs; a split-KV merge is not in it);
 - launch: host milliseconds of that launch alone (the api's `launch` function).
 Then a cProfile of 50 calls of the first shape (the functions with the most own time), written
-to DIR/host_profile.txt with its first lines printed.
+to DIR/host_profile_new.txt (and _old.txt) with its first lines printed.
 When numba_kernels/_ab_old_api.py exists (git show REV:numba_kernels/api.py), its calls are
 timed too, alternating with the working tree's.
 """
