@@ -19,13 +19,15 @@ NO_DEVICE = ("no CUDA GPU is available. To run the kernel on the CPU, set the en
              "Python thread per CUDA thread: tiny sizes only).")
 
 
-def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=None,
-                    window=None, return_lse=False, num_splits=None, spec=None):
+def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
+                    kv_lengths=None, window=None, return_lse=False, num_splits=None, spec=None):
     """FlashAttention-2 forward on the GPU (or the CUDA simulator), per docs/contract.md.
 
     q (B, Hq, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv): float32, float16 or bfloat16, all one
     dtype, D and Dv <= 256. causal: False, "top_left" or "bottom_right"; mask: boolean,
-    broadcastable to (B, Hq, Nq, Nk); kv_lengths: (B,) integers; window: (left, right).
+    broadcastable to (B, Hq, Nq, Nk); bias: float, broadcastable likewise (added to the
+    scaled scores; the kernel reads it as float32); kv_lengths: (B,) integers; window:
+    (left, right). scale: any finite number (default 1 / sqrt(D)).
     Returns out (B, Hq, Nq, Dv) in the input dtype, and lse (B, Hq, Nq) float32 (natural log)
     when return_lse. Arithmetic is float32. D and Dv are zero-padded to one width from
     specs.HEAD_DIMS: fastest when D == Dv is one of them, and without a mask. NumPy inputs are
@@ -36,7 +38,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=
     idle (decoding). spec: a KernelSpec that forces one variant (for benchmarks); by default
     specs.choose_spec picks it.
     """
-    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask,
+    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
     if max(pb.d, pb.dv) > MAX_HEAD_DIM:
         raise ValueError(f"head dims D={pb.d}, Dv={pb.dv}: this kernel supports at most "
@@ -45,11 +47,11 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=
                                    or not isinstance(num_splits, (int, np.integer))
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be None or an integer >= 1, got {num_splits!r}")
-    io = _io_for(q, k, v, mask, kv_lengths)
+    io = _io_for(q, k, v, mask, bias, kv_lengths)
     out = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.dv), pb.dtype)
     lse = io.empty((pb.batch, pb.heads_q, pb.n_q), "float32")
     if pb.n_q > 0:
-        has_mask = mask is not None
+        has_mask = mask is not None or bias is not None
         # Splitting depends on the tiles only, which do not depend on splitting.
         tiles = spec or choose_spec(pb.d, pb.dv, pb.dtype, has_mask)
         blocks, _, _ = launch_grid(pb.n_q, pb.batch, pb.heads_q, tiles)
@@ -63,8 +65,9 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=
         elif spec.d < pb.d or spec.dv < pb.dv or spec.dtype != pb.dtype \
                 or spec.has_mask != has_mask or spec.partial != chosen.partial:
             raise ValueError(f"spec {spec} does not fit D={pb.d}, Dv={pb.dv}, {pb.dtype}, "
-                             f"mask={'yes' if has_mask else 'no'}, {n_splits} split(s)")
+                             f"mask or bias={'yes' if has_mask else 'no'}, {n_splits} split(s)")
         mask_dev, steps = io.mask(mask)
+        bias_dev, bias_steps = io.bias(bias)
         lengths = io.lengths(np.asarray(row_lengths(pb, kv_lengths), np.int32),
                              kv_lengths is not None)
         if n_splits > 1:  # partial results, float32, split s of batch b at s * B + b
@@ -74,9 +77,10 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=
             dest = (out, lse)
         blocks, threads, n_tiles = launch_grid(pb.n_q, pb.batch, pb.heads_q, spec, n_splits)
         launch(build_kernel(spec), spec, blocks, threads, io.stream,
-               io.dev(q), io.dev(k), io.dev(v), mask_dev, lengths, io.dev(dest[0]),
+               io.dev(q), io.dev(k), io.dev(v), mask_dev, bias_dev, lengths, io.dev(dest[0]),
                io.dev(dest[1]), pb.n_q, pb.d, pb.dv, pb.group, pb.heads_q, n_tiles, split_len,
-               np.float32(pb.scale * LOG2E), pb.left, pb.right, int(pb.bottom_right), *steps)
+               np.float32(pb.scale * LOG2E), pb.left, pb.right, int(pb.bottom_right), *steps,
+               *bias_steps)
         if n_splits > 1:
             elements = pb.batch * pb.heads_q * pb.n_q * pb.dv
             launch(build_merge(pb.dtype), pb.dtype, -(-elements // MERGE_THREADS),
@@ -114,13 +118,14 @@ def _kind(x):
     raise TypeError(f"expected NumPy arrays, torch CUDA tensors or CUDA arrays, got {type(x)}")
 
 
-def _io_for(q, k, v, mask, kv_lengths):
+def _io_for(q, k, v, mask, bias, kv_lengths):
     kinds = {name: _kind(x) for name, x in (("q", q), ("k", k), ("v", v))}
     if len(set(kinds.values())) != 1:
         raise TypeError(f"q, k and v must be the same kind of array, got {kinds}")
     kind = kinds["q"]
     if kind == "torch":
-        for name, x in (("q", q), ("k", k), ("v", v), ("mask", mask), ("kv_lengths", kv_lengths)):
+        for name, x in (("q", q), ("k", k), ("v", v), ("mask", mask), ("bias", bias),
+                        ("kv_lengths", kv_lengths)):
             if x is not None and not x.is_cuda:
                 raise TypeError(f"{name} is a CPU tensor: pass CUDA tensors, or NumPy arrays "
                                 f"(copied to the device and back)")
@@ -154,8 +159,14 @@ class _NumpyIO:
     def mask(self, mask):
         if mask is None:
             return cuda.to_device(np.ones((1, 1, 1, 1), np.uint8)), (0, 0, 0, 0)
-        m = np.asarray(mask).reshape((1,) * (4 - mask.ndim) + mask.shape)
+        m = _as4d(np.asarray(mask))
         return cuda.to_device(np.ascontiguousarray(m).view(np.uint8)), _steps(m.shape)
+
+    def bias(self, bias):
+        if bias is None:
+            return cuda.to_device(np.zeros((1, 1, 1, 1), np.float32)), (0, 0, 0, 0)
+        x = _as4d(np.asarray(bias))
+        return cuda.to_device(np.ascontiguousarray(x, dtype=np.float32)), _steps(x.shape)
 
     def lengths(self, host, given):
         return cuda.to_device(host)
@@ -210,8 +221,15 @@ class _TorchIO:
         if mask is None:
             return self._constant("no mask", lambda: self.torch.ones(
                 (1, 1, 1, 1), dtype=self.torch.uint8, device=self.device)), (0, 0, 0, 0)
-        m = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        m = _as4d(mask)
         return m.contiguous().view(self.torch.uint8), _steps(m.shape)
+
+    def bias(self, bias):
+        if bias is None:
+            return self._constant("no bias", lambda: self.torch.zeros(
+                (1, 1, 1, 1), dtype=self.torch.float32, device=self.device)), (0, 0, 0, 0)
+        x = _as4d(bias)
+        return x.to(self.torch.float32).contiguous(), _steps(x.shape)
 
     def lengths(self, host, given):
         if given:
@@ -245,9 +263,17 @@ class _CudaIO(_NumpyIO):
     def mask(self, mask):
         if mask is None:
             return super().mask(None)
-        m = self.dev(mask)
-        m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        m = _as4d(self.dev(mask))
         return m.view(np.uint8), _steps(m.shape)
+
+    def bias(self, bias):
+        if bias is None or type(bias).__module__.split(".")[0] == "numpy":
+            return super().bias(None if bias is None else bias)
+        import cupy
+
+        x = _as4d(cupy.asarray(bias))
+        return cuda.as_cuda_array(cupy.ascontiguousarray(x, dtype=cupy.float32)), \
+            _steps(x.shape)
 
     def result(self, x):
         if self.cupy_inputs:
@@ -255,6 +281,11 @@ class _CudaIO(_NumpyIO):
 
             return cupy.asarray(x.device)
         return x.device
+
+
+def _as4d(x):
+    """A broadcastable mask or bias with its missing leading dimensions as size 1."""
+    return x.reshape((1,) * (4 - len(x.shape)) + tuple(x.shape))
 
 
 def _steps(shape):

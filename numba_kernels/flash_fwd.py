@@ -54,7 +54,7 @@ class KernelSpec:
     d: int  # head dim of q and k, zero-padded to one of specs.HEAD_DIMS
     dv: int  # head dim of v, padded likewise
     dtype: str  # "float32", "float16" or "bfloat16"
-    has_mask: bool
+    has_mask: bool  # reads a boolean mask and an additive bias (either may be a constant)
     block_m: int
     block_n: int
     threads_m: int
@@ -191,27 +191,36 @@ def kernel_source(spec):
     load_k = tile_loader(load, BLOCK_N, D, THREADS, K_W, spec.qk_load_batch)
     load_v = tile_loader(load, BLOCK_N, DV, THREADS, V_W, spec.v_load_batch)
     ZERO, NEG_INF = float32(0.0), float32(-math.inf)
-    F_LN2 = float32(LN2)
+    F_LN2, F_LOG2E = float32(LN2), float32(LOG2E)
     U = uint64  # shared-memory indices are unsigned: see uty below
 
     @device_function
-    def visible(mask, b, h, row, col, lo, hi, interior, n_q, msb, msh, msi, msj):
-        """Does query row `row` see key `col`? (contract: key_range, then the boolean mask)"""
-        ok = row < n_q and (interior or (col >= lo and col < hi))
-        if HAS_MASK and ok:
-            ok = mask[b * msb, h * msh, row * msi, col * msj] != 0
-        return ok
+    def masked_score(x, mask, bias, b, h, row, col, lo, hi, interior, n_q, msb, msh, msi,
+                     msj, bsb, bsh, bsi, bsj):
+        """x (a scaled score, log2 units) plus the bias if query row `row` sees key `col`, else
+        -inf (contract: key_range, the boolean mask, bias != -inf). Selected, not added: a
+        NaN score of a hidden key must vanish."""
+        if not (row < n_q and (interior or (col >= lo and col < hi))):
+            return NEG_INF
+        if HAS_MASK:
+            if mask[b * msb, h * msh, row * msi, col * msj] == 0:
+                return NEG_INF
+            add = bias[b * bsb, h * bsh, row * bsi, col * bsj]
+            if add == NEG_INF:
+                return NEG_INF
+            x += add * F_LOG2E
+        return x
 
-    def flash_fwd(q, k, v, mask, kv_lengths, out, lse, n_q, d, dv, group, heads_q, n_tiles,
-                  split_len, qk_scale, left, right, bottom_right, msb, msh, msi, msj):
+    def flash_fwd(q, k, v, mask, bias, kv_lengths, out, lse, n_q, d, dv, group, heads_q,
+                  n_tiles, split_len, qk_scale, left, right, bottom_right, msb, msh, msi, msj,
+                  bsb, bsh, bsi, bsj):
         # One shared array, carved by the offsets of KernelSpec.offsets: starting at offset 0
         # of the block's shared memory, it is 16-byte aligned, which load4 needs.
         words = cuda.shared.array(SHARED_WORDS, float32)
-        # S holds raw scores q . k; the scale enters inside the exponent, one fused multiply-add
-        # a score (as FA-2 does): exp2(s * qk_scale - m_i). Scaling Q on load instead rounds
-        # every element of Q once more, which with large scores costs more accuracy than the
-        # plain computation loses (verify's criterion).
-        m_i = cuda.local.array(TM, float32)  # running max of s * qk_scale (log2 units), per row
+        # S holds raw scores q . k, then s * qk_scale (+ bias), in log2 units. Scaling Q on
+        # load instead rounds every element of Q once more, which with large scores costs more
+        # accuracy than the plain computation loses (verify's criterion).
+        m_i = cuda.local.array(TM, float32)  # running max of the scaled scores (log2), per row
         l_i = cuda.local.array(TM, float32)  # this thread's part of sum exp2(s * qk_scale - m_i)
         acc = cuda.local.array((TM, TV), float32)  # running sum of exp2(s * qk_scale - m_i) * v
         lo = cuda.local.array(TM, int64)  # each row's visible keys lo <= j < hi
@@ -309,15 +318,17 @@ def kernel_source(spec):
                         s[i, j] += a[i, 6] * k6
                         s[i, j] += a[i, 7] * k7
 
-            # Masked scores become -inf by selection (a NaN score of a hidden key must vanish).
+            # S = S * qk_scale (+ bias), then masked scores become -inf by selection (a NaN
+            # score of a hidden key must vanish). Scale first: a scale <= 0 would turn a
+            # masked -inf into +inf or NaN.
             for i in range(TM):
                 row = start_m + ty + i * THREADS_M
                 tile_max = NEG_INF
                 for j in range(TN):
-                    col = start_n + tx + j * THREADS_N
-                    if not visible(mask, b, h, row, col, lo[i], hi[i], interior, n_q,
-                                   msb, msh, msi, msj):
-                        s[i, j] = NEG_INF
+                    s[i, j] = masked_score(s[i, j] * qk_scale, mask, bias, b, h, row,
+                                           start_n + tx + j * THREADS_N, lo[i], hi[i],
+                                           interior, n_q, msb, msh, msi, msj, bsb, bsh, bsi,
+                                           bsj)
                     tile_max = max(tile_max, s[i, j])
                 words[STAT_AT + (uty + U(i * THREADS_M)) * U(THREADS_N) + utx] = tile_max
             cuda.syncthreads()  # Barrier: all partial row maxima are written.
@@ -327,14 +338,13 @@ def kernel_source(spec):
                 tile_max = NEG_INF
                 for t in range(THREADS_N):
                     tile_max = max(tile_max, words[STAT_AT + r * U(THREADS_N) + U(t)])
-                # Rounding is monotone, so this is the max of the rounded scaled scores.
-                m_new = max(m_i[i], tile_max * qk_scale)
+                m_new = max(m_i[i], tile_max)
                 m_safe = ZERO if m_new == NEG_INF else m_new  # fully masked: no exp2(-inf + inf)
                 alpha = math.exp2(m_i[i] - m_safe)  # rescales what was summed under the old max
                 partial = ZERO
                 for j in range(TN):
-                    # One FMA. Hidden keys: exp2(-inf) = 0; NaN stays NaN.
-                    p = math.exp2(s[i, j] * qk_scale - m_safe)
+                    # Hidden keys: exp2(-inf) = 0; NaN stays NaN.
+                    p = math.exp2(s[i, j] - m_safe)
                     partial += p
                     words[P_AT + r * U(P_W) + utx + U(j * THREADS_N)] = p
                 # Each thread sums its own keys of the row; the THREADS_N parts are added once,
@@ -381,8 +391,9 @@ def kernel_source(spec):
                             bb[g * VV + e] = words[KV_AT + U(n * V_W) + utx * U(VV)
                                                    + U(g * THREADS_N * VV + e)]
                     for i in range(TM):
-                        if visible(mask, b, h, start_m + ty + i * THREADS_M, start_n + n,
-                                   lo[i], hi[i], interior, n_q, msb, msh, msi, msj):
+                        if masked_score(ZERO, mask, bias, b, h, start_m + ty + i * THREADS_M,
+                                        start_n + n, lo[i], hi[i], interior, n_q, msb, msh,
+                                        msi, msj, bsb, bsh, bsi, bsj) != NEG_INF:
                             a_i = words[P_AT + (uty + U(i * THREADS_M)) * U(P_W) + U(n)]
                             for j in range(TV):
                                 acc[i, j] += a_i * bb[j]

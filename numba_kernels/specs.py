@@ -59,8 +59,9 @@ def pad(n):
 
 @lru_cache(maxsize=None)
 def choose_spec(d, dv, dtype, has_mask, partial=False):
-    """The variant for head dims d, dv (unpadded), input dtype, whether a mask is given, and
-    whether it writes float32 partial results for split-KV (split_kv.py).
+    """The variant for head dims d, dv (unpadded), input dtype, whether a mask or a bias is
+    given (has_mask), and whether it writes float32 partial results for split-KV
+    (split_kv.py).
 
     D and Dv are padded to one common size, so that the variants a call can select are exactly
     shipped_specs(), each compiled once per process at its first launch. In float32 the
@@ -91,13 +92,15 @@ def signature(spec, layout="A"):
     out_elem = float32 if spec.partial else elem
     if layout == "C":
         arr4, out4 = elem[:, :, :, ::1], out_elem[:, :, :, ::1]
-        mask4, lengths, lse = uint8[:, :, :, ::1], int32[::1], float32[:, :, ::1]
+        mask4, bias4 = uint8[:, :, :, ::1], float32[:, :, :, ::1]
+        lengths, lse = int32[::1], float32[:, :, ::1]
     else:
         arr4, out4 = elem[:, :, :, :], out_elem[:, :, :, :]
-        mask4, lengths, lse = uint8[:, :, :, :], int32[:], float32[:, :, :]
-    return (arr4, arr4, arr4, mask4, lengths, out4, lse,
+        mask4, bias4, lengths, lse = uint8[:, :, :, :], float32[:, :, :, :], int32[:], \
+            float32[:, :, :]
+    return (arr4, arr4, arr4, mask4, bias4, lengths, out4, lse,
             int64, int64, int64, int64, int64, int64, int64, float32, int64, int64, int64,
-            int64, int64, int64, int64)
+            int64, int64, int64, int64, int64, int64, int64, int64)
 
 
 def merge_signature(dtype):

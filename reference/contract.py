@@ -19,6 +19,7 @@ Query head h reads key head h // (Hq // Hk). A key j is *visible* to query row i
 Everything else about a row follows from its visible keys alone: a row with none gives out = 0
 and lse = -inf; an invisible key's values (NaN included) change nothing.
 """
+import math
 from dataclasses import dataclass
 
 from ._xp import to_int_list
@@ -96,6 +97,18 @@ def _check_broadcast(name, x, full):
         )
 
 
+def _normalise_scale(scale, D):
+    """scale=None means 1/sqrt(D). Any finite real is allowed: 0 weighs every visible key
+    equally, a negative scale favours the least similar keys."""
+    if scale is None:
+        return 1.0 / D ** 0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a Python number or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    return float(scale)
+
+
 def _normalise_causal(causal):
     if causal is True:
         raise ValueError(_CAUSAL_TRUE_MESSAGE)
@@ -145,10 +158,7 @@ def check_attention_args(q, k, v, *, scale=None, causal=False, mask=None, bias=N
     if len(set(names.values())) != 1:
         raise TypeError(f"q, k and v must share one dtype, got {names}")
 
-    if scale is None:
-        scale = 1.0 / D ** 0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a Python number or None, got {type(scale).__name__}")
+    scale = _normalise_scale(scale, D)
     causal = _normalise_causal(causal)
     left, right = _normalise_window(window)
     if causal:
@@ -187,10 +197,15 @@ def row_lengths(problem, kv_lengths):
 
 def row_ranges(problem, kv_len, r0, r1):
     """(lo, hi): tuples of key_range for query rows r0 <= i < r1 of a batch with kv_len keys."""
-    if r1 <= r0:
+    return ranges_of(problem, kv_len, range(r0, r1))
+
+
+def ranges_of(problem, kv_len, rows):
+    """(lo, hi): tuples of key_range for the query rows `rows` of a batch with kv_len keys."""
+    if not len(rows):
         return (), ()
     return tuple(zip(*(key_range(i, problem.n_q, kv_len, problem.left, problem.right,
-                                 problem.bottom_right) for i in range(r0, r1))))
+                                 problem.bottom_right) for i in rows)))
 
 
 def band(lo, hi, j0, j1, xp):

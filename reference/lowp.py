@@ -10,7 +10,7 @@ and it runs on CuPy too.
 """
 from ._xp import array_namespace, quiet
 from .contract import check_attention_args
-from .naive import forward
+from .naive import check_rows, forward
 
 
 def round_to(x, dtype):
@@ -32,13 +32,14 @@ def round_to(x, dtype):
 
 
 def attention_lowp(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
-                   window=None, return_lse=False, round_p=True, dtype=None):
+                   window=None, return_lse=False, round_p=True, dtype=None, rows=None):
     """Attention as a plain float32-accumulating kernel computes it for inputs of q's dtype.
 
     Same arguments as reference.attention. Returns out (float32 holding values of the
     emulated dtype), and lse (float32) when return_lse. round_p rounds P to that dtype before
     P @ V. dtype: the precision to emulate, by default q's; name it when q holds, say,
-    bfloat16 values in float32 arrays (CuPy has no bfloat16).
+    bfloat16 values in float32 arrays (CuPy has no bfloat16). rows: only these query rows
+    (see reference.attention).
     """
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window,
@@ -47,6 +48,7 @@ def attention_lowp(q, k, v, *, scale=None, causal=False, mask=None, bias=None, k
     if dtype != pb.dtype:  # inputs given wider: round them as the kernel's inputs were
         q, k, v = (round_to(x, dtype) for x in (q, k, v))
     out, lse = forward(pb, q, k, v, mask, bias, kv_lengths, compute="float32",
-                       p_dtype=dtype, round_fn=round_to if round_p else None)
+                       p_dtype=dtype, round_fn=round_to if round_p else None,
+                       rows=check_rows(rows, pb.n_q))
     out = round_to(out, dtype)
     return (out, lse) if return_lse else out

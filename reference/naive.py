@@ -17,24 +17,38 @@ dtype: float64 here, float32 there.
 import numpy as np
 
 from ._xp import array_namespace, quiet
-from .contract import band, check_attention_args, row_lengths, row_ranges
+from .contract import band, check_attention_args, ranges_of, row_lengths
 
 CHUNK_ELEMS = 1 << 22
 
 
 def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
-              window=None, return_lse=False):
+              window=None, return_lse=False, rows=None):
     """Exact attention in float64 from the inputs' exact values: the project's ground truth.
 
     q (B, Hq, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv): NumPy or CuPy arrays of float16,
     bfloat16, float32 or float64. Returns out (B, Hq, Nq, Dv) float64, and lse (B, Hq, Nq) float64
     (natural log) when return_lse. See reference.contract for causal, mask, bias, kv_lengths,
-    window and what happens to fully masked rows and non-finite values.
+    window and what happens to fully masked rows and non-finite values. rows: compute only
+    these query rows (increasing indices into Nq, for sizes whose whole truth is too large);
+    out is then (B, Hq, len(rows), Dv) and lse (B, Hq, len(rows)).
     """
     problem = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                                    kv_lengths=kv_lengths, window=window)
-    out, lse = forward(problem, q, k, v, mask, bias, kv_lengths, compute="float64")
+    out, lse = forward(problem, q, k, v, mask, bias, kv_lengths, compute="float64",
+                       rows=check_rows(rows, problem.n_q))
     return (out, lse) if return_lse else out
+
+
+def check_rows(rows, n_q):
+    """rows as a list of increasing ints in [0, n_q), or None."""
+    if rows is None:
+        return None
+    rows = [int(r) for r in rows]
+    if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and not 0 <= rows[0] <= rows[-1]
+                                                        < n_q):
+        raise ValueError(f"rows must be increasing query indices in [0, Nq={n_q})")
+    return rows
 
 
 def visible(lo, hi, j0, j1, mask, bias, xp):
@@ -71,40 +85,48 @@ def weighted_values(p, keep, v, xp):
     return xp.where((n_nan > 0) | ((n_pos > 0) & (n_neg > 0)), xp.nan, out)
 
 
-def forward(problem, q, k, v, mask, bias, kv_lengths, compute, p_dtype=None, round_fn=None):
+def forward(problem, q, k, v, mask, bias, kv_lengths, compute, p_dtype=None, round_fn=None,
+            rows=None):
     """The one direct implementation, in arithmetic dtype `compute`; returns (out, lse).
 
     round_fn(x, dtype) -> x rounded to `dtype`, used by the low-precision emulation to round P
-    to `p_dtype` before P @ V. Internal: callers check arguments first.
+    to `p_dtype` before P @ V. rows: None (every query row) or increasing row indices (see
+    attention). Internal: callers check arguments first.
     """
     xp = array_namespace(q, k, v)
     pb = problem
     B, Hq, Hk, Nq, Nk, G = pb.batch, pb.heads_q, pb.heads_k, pb.n_q, pb.n_k, pb.group
-    out = xp.zeros((B, Hq, Nq, pb.dv), dtype=compute)
-    lse = xp.full((B, Hq, Nq), -xp.inf, dtype=compute)
-    q, k, v = (xp.asarray(x, dtype=compute) for x in (q, k, v))  # no copy if already there
+    n_out = Nq if rows is None else len(rows)
+    out = xp.zeros((B, Hq, n_out, pb.dv), dtype=compute)
+    lse = xp.full((B, Hq, n_out), -xp.inf, dtype=compute)
+    # q, k and v are converted to `compute` a block at a time: the extra memory stays a few
+    # blocks even when the inputs are billions of elements (sampled rows).
     full = (B, Hq, Nq, Nk)
     mask = None if mask is None else xp.broadcast_to(xp.asarray(mask), full)
-    bias = None if bias is None else xp.broadcast_to(xp.asarray(bias).astype(compute), full)
+    bias = None if bias is None else xp.broadcast_to(xp.asarray(bias), full)
     scale = np.dtype(compute).type(pb.scale)
-    rows = max(1, CHUNK_ELEMS // max(1, G * Nk))
+    step = max(1, CHUNK_ELEMS // max(1, G * Nk))
     for b, kv_len in enumerate(row_lengths(pb, kv_lengths)):
-        for r0 in range(0, Nq, rows):
-            r1 = min(Nq, r0 + rows)
-            lo, hi = row_ranges(pb, kv_len, r0, r1)
+        for p0 in range(0, n_out, step):
+            p1 = min(n_out, p0 + step)
+            # the block's query rows: a slice (every row), or a list (sampled rows)
+            sel = slice(p0, p1) if rows is None else rows[p0:p1]
+            lo, hi = ranges_of(pb, kv_len, range(p0, p1) if rows is None else sel)
             j0, j1 = max(0, min(lo)), min(kv_len, max(hi))
             if j1 <= j0:
                 continue  # every row of the block is fully masked: out = 0, lse = -inf
             for hk in range(Hk):
                 heads = slice(hk * G, (hk + 1) * G)
-                block = (b, heads, slice(r0, r1), slice(j0, j1))
-                keep = visible(lo, hi, j0, j1, None if mask is None else mask[block],
-                               None if bias is None else bias[block], xp)
+                mask_b = None if mask is None else mask[b, heads][:, sel, j0:j1]
+                bias_b = None if bias is None else bias[b, heads][:, sel, j0:j1].astype(compute)
+                q_b, k_b, v_b = (xp.asarray(x, dtype=compute) for x in (
+                    q[b, heads][:, sel], k[b, hk, j0:j1], v[b, hk, j0:j1]))
+                keep = visible(lo, hi, j0, j1, mask_b, bias_b, xp)
                 with quiet(xp):
-                    s = q[b, heads, r0:r1] @ k[b, hk, j0:j1].T  # (G, R, n)
+                    s = q_b @ k_b.T  # (G, R, n)
                     s *= scale
                     if bias is not None:
-                        s += bias[block]
+                        s += bias_b
                     if keep is not None:
                         s = xp.where(keep, s, -xp.inf)
                     m = s.max(axis=-1, keepdims=True)  # NaN propagates; -inf: no visible key
@@ -114,8 +136,7 @@ def forward(problem, q, k, v, mask, bias, kv_lengths, compute, p_dtype=None, rou
                     l = p.sum(axis=-1, keepdims=True)  # noqa: E741
                     if round_fn is not None:
                         p = round_fn(p, p_dtype)
-                    o = weighted_values(p, keep, v[b, hk, j0:j1], xp)
-                    out[b, heads, r0:r1] = xp.where(l == 0, 0, o / l)  # NaN l stays NaN
-                    lse[b, heads, r0:r1] = (m + xp.log(l))[..., 0]
+                    o = weighted_values(p, keep, v_b, xp)
+                    out[b, heads, p0:p1] = xp.where(l == 0, 0, o / l)  # NaN l stays NaN
+                    lse[b, heads, p0:p1] = (m + xp.log(l))[..., 0]
     return out, lse
-

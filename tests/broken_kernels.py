@@ -2,6 +2,7 @@
 
 `kernel(bug)` is a float32 FlashAttention-2 forward in NumPy (key tiles of BLOCK_N, online
 softmax) that is correct with bug=None and carries exactly one classic bug otherwise.
+`default_stream_kernel()` is the one bug that needs a GPU (torch, CUDA).
 """
 import itertools
 
@@ -13,6 +14,7 @@ from reference.naive import weighted_values
 CALLS = itertools.count()
 
 BLOCK_N = 16
+WRAP_BITS = 12  # index-wrap: the mask's flat index wraps at 2**WRAP_BITS (2**32 on a GPU)
 BUGS = {  # bug: (a case that must fail, a phrase its failure must contain)
     "no-max-subtraction": ("large scores [float32]", "non-finite"),
     "no-alpha-rescale": ("shape 65x33 [float32]", "mismatched"),
@@ -24,68 +26,162 @@ BUGS = {  # bug: (a case that must fail, a phrase its failure must contain)
     "wrong-gqa-mapping": ("GQA 4:1", "mismatched"),
     "nan-for-empty-rows": ("mask empty rows", "fully masked rows give nan"),
     "masked-nan-leaks": ("NaN past kv_lengths", "non-finite"),
-    "strides-ignored": ("strided inputs", "mismatched"),
+    "strides-ignored": ("strided inputs (minimal)", "mismatched"),
     "writes-input": ("shape 1x1 [float32]", "wrote into its inputs"),
-    "nondeterministic": ("determinism", "two runs"),
+    "nondeterministic": ("determinism (minimal)", "two runs"),
+    "lse-log2": ("shape 65x33 [float32]", "lse: mismatched"),
+    "head0-mask": ("mask per head (B, Hq, Nq, Nk)", "mismatched"),
+    "hidden-v-times-zero": ("v:nan in keys some rows see (window=(3, 2))", "non-finite"),
+    "scale-ignored": ("scale 1.0", "mismatched"),
+    "max-before-scale": ("scale -0.25 + causal", "non-finite"),
+    "whole-last-tile": ("shape 65x33 [float32]", "mismatched"),
+    "pointer-cache": ("call check: fresh-inputs", "mismatched"),
+    "batch-dependent": ("call check: batch-alone", "computed alone differs"),
+    "index-wrap": ("mask random [float32]", "mismatched"),
+    "returns-out-only": ("shape 1x1 [float32]", "claims lse"),
+    "aliases-input": ("shape 13x37 [float32]", "aliases"),
 }
+OUT_BUFFER_BUG = "writes-outside-out"  # caught by the out-buffer check, when out= is claimed
 
 
 def kernel(bug=None):
-    assert bug is None or bug in BUGS, bug
+    assert bug is None or bug in BUGS or bug == OUT_BUFFER_BUG, bug
+    cache = {}
 
-    def attention(q, k, v, *, scale=None, causal=False, mask=None, kv_lengths=None,
-                  window=None):
-        if bug == "strides-ignored":  # reads memory as if the views were contiguous
-            q, k, v = (np.lib.stride_tricks.as_strided(
-                x, strides=np.ascontiguousarray(x).strides) for x in (q, k, v))
-        if bug == "other-causal-alignment" and causal:
-            causal = "top_left" if causal == "bottom_right" else "bottom_right"
-        pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask,
-                                  kv_lengths=kv_lengths, window=window)
-        keep = dense_visible(pb, mask, kv_lengths)  # (B, 1 or Hq, Nq, Nk)
-        if bug == "causal-off-by-one" and causal:
-            keep = keep & ~np.eye(pb.n_q, pb.n_k, dtype=bool)
-        keep = np.broadcast_to(keep, (pb.batch, pb.heads_q, pb.n_q, pb.n_k))
-        scale = pb.scale if bug != "wrong-scale" else 1.0 / pb.d
-        group = pb.group if bug != "wrong-gqa-mapping" else 1
-        heads = [h // group % pb.heads_k for h in range(pb.heads_q)]
-        qf = q.astype(np.float32)
-        if bug == "writes-input":
-            q[...] = q * np.float32(1.0001)  # scales the caller's array in place
-        kf, vf = (x.astype(np.float32)[:, heads] for x in (k, v))
-        acc_t = np.float16 if bug == "float16-accumulation" else np.float32
-        m_i = np.full(qf.shape[:3], -np.inf, np.float32)
-        l_i = np.zeros(qf.shape[:3], acc_t)
-        acc = np.zeros(qf.shape[:3] + (pb.dv,), acc_t)
-        last = pb.n_k if bug != "last-tile-dropped" else pb.n_k // BLOCK_N * BLOCK_N
-        with np.errstate(all="ignore"):
-            for j0 in range(0, last, BLOCK_N):
-                j1 = min(j0 + BLOCK_N, last)
-                s = np.einsum("bhid,bhjd->bhij", qf, kf[:, :, j0:j1]) * np.float32(scale)
-                vis = keep[..., j0:j1]
-                s = np.where(vis, s, -np.inf) if bug != "masked-nan-leaks" else s + np.where(
-                    vis, 0, -np.inf).astype(np.float32)
-                m_new = np.maximum(m_i, s.max(-1))
-                m_safe = np.where(m_new == -np.inf, 0, m_new)
-                if bug == "no-max-subtraction":
-                    m_safe = np.zeros_like(m_safe)
-                alpha = np.exp(m_i - m_safe) if bug != "no-alpha-rescale" else 1.0
-                p = np.exp(s - m_safe[..., None])
-                vt = vf[:, :, j0:j1]
-                pv = weighted_values(p, vis, vt, np) if bug != "masked-nan-leaks" else p @ vt
-                l_i = (alpha * l_i + p.sum(-1)).astype(acc_t)
-                acc = (np.asarray(alpha)[..., None] * acc + pv).astype(acc_t)
-                m_i = m_new
-            empty = l_i == 0
-            out = np.where(empty[..., None], 0, acc / l_i[..., None])
-            if bug == "nan-for-empty-rows":
-                out = acc / l_i[..., None]
-            lse = np.where(empty, -np.inf, m_i + np.log(l_i.astype(np.float32)))
-        if bug == "nondeterministic":  # as a racy reduction would: last bits vary per call
-            out = out * np.float32(1 + (next(CALLS) % 2) * 2.0**-22)
-        return out.astype(q.dtype), lse.astype(np.float32)
+    def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
+                  window=None, return_lse=False, out=None):
+        key = (q.ctypes.data, q.shape)
+        if bug == "pointer-cache" and key in cache:
+            result = cache[key]
+        else:
+            result = _forward(bug, q, k, v, scale, causal, mask, bias, kv_lengths, window)
+            cache[key] = result
+        o, lse = result
+        if bug == "aliases-input" and o.shape == q.shape:  # "in place": out is q's buffer
+            q[...] = o
+            o = q
+        if out is not None:
+            target = out.base[..., :o.shape[2], :o.shape[3]] if bug == OUT_BUFFER_BUG else out
+            target[...] = o
+            o = out
+        if bug == "returns-out-only":
+            return o
+        return (o, lse) if return_lse else o
 
     attention.__name__ = f"broken[{bug}]"
     return attention
+
+
+def _forward(bug, q, k, v, scale, causal, mask, bias, kv_lengths, window):
+    if bug == "strides-ignored":  # reads memory as if the views were contiguous
+        q, k, v = (np.lib.stride_tricks.as_strided(
+            x, strides=np.ascontiguousarray(x).strides) for x in (q, k, v))
+    if bug == "other-causal-alignment" and causal:
+        causal = "top_left" if causal == "bottom_right" else "bottom_right"
+    if bug == "scale-ignored":
+        scale = None
+    if bug == "head0-mask" and mask is not None and mask.ndim == 4:
+        mask = mask[:, :1]
+    if bug == "index-wrap" and mask is not None:
+        mask = _wrapped(mask, q.shape, k.shape)
+    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                              kv_lengths=kv_lengths, window=window)
+    keep = dense_visible(pb, mask, kv_lengths)  # (B, 1 or Hq, Nq, Nk)
+    if bug == "causal-off-by-one" and causal:
+        keep = keep & ~np.eye(pb.n_q, pb.n_k, dtype=bool)
+    full = (pb.batch, pb.heads_q, pb.n_q, pb.n_k)
+    keep = np.broadcast_to(keep, full)
+    bias = np.zeros(full, np.float32) if bias is None else np.broadcast_to(
+        np.asarray(bias, np.float32), full)
+    keep = keep & (bias != -np.inf)
+    scale = pb.scale if bug != "wrong-scale" else 1.0 / pb.d
+    group = pb.group if bug != "wrong-gqa-mapping" else 1
+    heads = [h // group % pb.heads_k for h in range(pb.heads_q)]
+    qf = q.astype(np.float32)
+    if bug == "writes-input":
+        q[...] = q * np.float32(1.0001)  # scales the caller's array in place
+    kf, vf = (x.astype(np.float32)[:, heads] for x in (k, v))
+    if bug == "whole-last-tile":  # the last tile read whole: zero keys past Nk, all visible
+        extra = -pb.n_k % BLOCK_N
+        kf, vf = (np.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0))) for x in (kf, vf))
+        keep = np.pad(keep, ((0, 0), (0, 0), (0, 0), (0, extra)), constant_values=True)
+        bias = np.pad(bias, ((0, 0), (0, 0), (0, 0), (0, extra)))
+    out, lse = _tiles(bug, pb, qf, kf, vf, keep, bias, np.float32(scale))
+    if bug == "nondeterministic":  # as a racy reduction would: last bits vary per call
+        out = out * np.float32(1 + (next(CALLS) % 2) * 2.0**-22)
+    if bug == "lse-log2":
+        lse = lse / np.float32(np.log(2.0))
+    return out.astype(q.dtype), lse.astype(np.float32)
+
+
+def _tiles(bug, pb, qf, kf, vf, keep, bias, scale):
+    """The online softmax over key tiles of BLOCK_N."""
+    acc_t = np.float16 if bug == "float16-accumulation" else np.float32
+    m_i = np.full(qf.shape[:3], -np.inf, np.float32)
+    l_i = np.zeros(qf.shape[:3], acc_t)
+    acc = np.zeros(qf.shape[:3] + (pb.dv,), acc_t)
+    n_k = kf.shape[2]
+    last = n_k if bug != "last-tile-dropped" else n_k // BLOCK_N * BLOCK_N
+    with np.errstate(all="ignore"):
+        for j0 in range(0, last, BLOCK_N):
+            j1 = min(j0 + BLOCK_N, last)
+            raw = np.einsum("bhid,bhjd->bhij", qf, kf[:, :, j0:j1])
+            vis = keep[..., j0:j1]
+            s = _scores(bug, raw, vis, bias[..., j0:j1], scale)
+            tile_max = s.max(-1)
+            if bug == "max-before-scale":  # the max of raw masked scores, scaled afterwards
+                tile_max = np.where(vis, raw, -np.inf).max(-1) * scale
+            if bug == "batch-dependent":  # one max for the whole batch and every head
+                tile_max = np.broadcast_to(tile_max.max(axis=(0, 1)), tile_max.shape)
+            m_new = np.maximum(m_i, tile_max)
+            m_safe = np.where(m_new == -np.inf, 0, m_new)
+            if bug == "no-max-subtraction":
+                m_safe = np.zeros_like(m_safe)
+            alpha = np.exp(m_i - m_safe) if bug != "no-alpha-rescale" else 1.0
+            p = np.exp(s - m_safe[..., None])
+            vt = vf[:, :, j0:j1]
+            pv = p @ vt if bug in ("masked-nan-leaks", "hidden-v-times-zero") else \
+                weighted_values(p, vis, vt, np)
+            l_i = (alpha * l_i + p.sum(-1)).astype(acc_t)
+            acc = (np.asarray(alpha)[..., None] * acc + pv).astype(acc_t)
+            m_i = m_new
+        empty = l_i == 0
+        out = np.where(empty[..., None], 0, acc / l_i[..., None])
+        if bug == "nan-for-empty-rows":
+            out = acc / l_i[..., None]
+        lse = np.where(empty, -np.inf, m_i + np.log(l_i.astype(np.float32)))
+    return out, lse
+
+
+def _scores(bug, raw, vis, bias, scale):
+    if bug == "max-before-scale":  # masks first, then scales: -inf * (scale < 0) = +inf
+        return np.where(vis, raw, -np.inf) * scale + np.where(vis, bias, 0)
+    if bug == "masked-nan-leaks":  # masks by adding -inf: NaN + -inf = NaN
+        return raw * scale + bias + np.where(vis, 0, -np.inf).astype(np.float32)
+    return np.where(vis, raw * scale + bias, -np.inf)
+
+
+def _wrapped(mask, q_shape, k_shape):
+    """The mask as a kernel reads it when its flat index (b, h, i, j) wraps at 2**WRAP_BITS."""
+    full = (q_shape[0], mask.shape[1] if mask.ndim == 4 else 1, q_shape[2], k_shape[2])
+    flat = np.ascontiguousarray(np.broadcast_to(mask, full)).reshape(-1)
+    index = np.arange(flat.size) % 2**WRAP_BITS
+    return flat[index].reshape(full)
+
+
+def default_stream_kernel():
+    """A correct attention in torch whose work goes to the default stream, whatever stream
+    the caller has made current (needs CUDA)."""
+    import torch
+
+    def attention(q, k, v, **options):
+        with torch.cuda.stream(torch.cuda.default_stream(q.device)):
+            s = torch.einsum("bhid,bhjd->bhij", q.float(), k.float()) * (
+                options.get("scale") or q.shape[-1] ** -0.5)
+            return (torch.softmax(s, -1) @ v.float()).to(q.dtype)
+
+    return attention
+
+
 BROKEN_SCALE = kernel("wrong-scale")  # for the command-line tests
 CORRECT = kernel(None)

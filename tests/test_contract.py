@@ -41,6 +41,8 @@ BAD = {
     "window-neg": (dict(window=(-2, 0)), ValueError, "window left must be >= 0, or -1"),
     "window-bad": (dict(window=3), TypeError, "window must be a pair"),
     "scale-str": (dict(scale="1"), TypeError, "scale must be a Python number"),
+    "scale-nan": (dict(scale=float("nan")), ValueError, "scale must be a finite number"),
+    "scale-inf": (dict(scale=-float("inf")), ValueError, "scale must be a finite number"),
 }
 
 
@@ -147,6 +149,21 @@ def test_minus_inf_bias_is_a_mask():
         assert_same(a[0], b[0], 0)
         assert_same(a[1], b[1], 0)
         assert (a[0][0, 0, 2] == 0).all() and a[1][0, 0, 2] == -np.inf
+
+
+@pytest.mark.parametrize("fn", IMPLS, ids=lambda f: f.__name__)
+def test_scale_zero_and_negative(fn):
+    """scale = 0: every visible key weighs the same (the mean of the visible values); a
+    negative scale is the softmax of the negated scores. Masks still apply after scaling."""
+    rng = np.random.default_rng(7)
+    q, k, v = qkv(rng, 1, 1, 1, 4, 6, 3, 2)
+    out, lse = fn(q, k, v, scale=0.0, causal="top_left", return_lse=True)
+    for i in range(4):
+        assert_same(out[0, 0, i], v[0, 0, :i + 1].mean(axis=0), 1e-14)
+        assert lse[0, 0, i] == pytest.approx(np.log(i + 1))
+    neg = fn(q, k, v, scale=-0.5, causal="top_left")
+    pos = fn(-q, k, v, scale=0.5, causal="top_left")
+    assert_same(neg, pos, 1e-13)
 
 
 # ------------------------------------------------------------------- low-precision emulation

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import verify
-from tests.broken_kernels import BUGS, kernel
+from tests.broken_kernels import BUGS, OUT_BUFFER_BUG, kernel
+from verify.adapters import Supports
+from verify.cases import Case, VacuousCase, battery, make_inputs
 
 
 @pytest.mark.parametrize("bug", list(BUGS))
@@ -29,7 +31,8 @@ def test_the_unbroken_twin_passes():
 def test_reference_passes_standard():
     report = verify.compare("reference", suite="standard", progress=False)
     assert report.passed, str(report)
-    assert report.counts()["not claimed"] == 0
+    assert {r.case.name for r in report.cases if r.verdict == "not claimed"} == {
+        "call check: stream", "call check: out-buffer"}  # NumPy arrays; no out=
 
 
 def test_torch_math_cpu_passes():
@@ -53,8 +56,8 @@ def test_numba_kernel_in_simulator_passes():
 
 
 def test_undeclared_features_are_not_claimed():
-    supports = verify.Supports(dtypes=("float32",), causal=(), mask=False, kv_lengths=False,
-                               window=False, gqa=False, dv_differs=False)
+    supports = verify.Supports(dtypes=("float32",), causal=(), mask=False, bias=False,
+                               kv_lengths=False, window=False, gqa=False, dv_differs=False)
     report = verify.compare(kernel(None), suite="quick", supports=supports, progress=False)
     assert report.passed
     skipped = {r.case.name: r.detail for r in report.cases if r.verdict == "not claimed"}
@@ -86,7 +89,8 @@ def _wrong(kind):
     ("dtype", "out has dtype float64"), ("type", "returned builtins.list"),
     ("tuple3", "tuple of 3"), ("hang", "no result after 1 s")])
 def test_misbehaving_kernels_fail_cleanly(kind, phrase):
-    impl = verify.Implementation(kind, _wrong(kind), verify.Supports(dtypes=("float32",)),
+    impl = verify.Implementation(kind, _wrong(kind), verify.Supports(dtypes=("float32",),
+                                                                      lse=False),
                                  timeout_s=1.0)
     if kind == "hang":  # one case is enough to see the time limit
         case = verify.battery("quick", ("float32",))[0]
@@ -108,6 +112,197 @@ def test_report_json_and_text(tmp_path):
     assert case["comparisons"][0]["ratio"] > 1 and case["comparisons"][0]["worst_index"]
     text = str(report)
     assert "FAILED GQA 4:1" in text and "mismatched elements" in text and "make_inputs" in text
+
+
+def test_out_buffer_check_catches_writes_outside_the_view():
+    claims = Supports(out_buffer=True)
+    report = verify.compare(kernel(OUT_BUFFER_BUG), suite="quick", supports=claims,
+                            progress=False)
+    assert [r.case.name for r in report.failures] == ["call check: out-buffer"]
+    assert "wrote outside its out= view" in report.failures[0].detail
+    assert verify.compare(kernel(None), suite="quick", supports=claims, progress=False).passed
+
+
+def test_default_stream_kernel_is_caught():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (scripts/gpu_verify.sh runs it on the GPU)")
+    from tests.broken_kernels import default_stream_kernel
+
+    impl = verify.Implementation("default-stream", default_stream_kernel(), Supports(
+        dtypes=("float32",), causal=(), mask=False, bias=False, kv_lengths=False,
+        window=False, lse=False, scale=("positive",)), array="torch", device="cuda")
+    report = verify.compare(impl, suite="quick", progress=False)
+    assert [r.case.name for r in report.failures] == ["call check: stream"], str(report)
+
+
+# The capabilities each kind of implementation claims, for the coverage test.
+CLAIMS = {
+    "everything": Supports(out_buffer=True),
+    "torch-like": Supports(lse=False, nonfinite_hidden=False, max_head_dim=1024),
+    "flash-like": Supports(dtypes=("float16", "bfloat16"), causal=("bottom_right",),
+                           mask=False, bias=False, kv_lengths=False, dv_differs=False,
+                           max_head_dim=128),
+    "minimal": Supports(dtypes=("bfloat16",), causal=(), mask=False, bias=False,
+                        kv_lengths=False, window=False, gqa=False, dv_differs=False, lse=False,
+                        nonfinite_hidden=False, scale=(), max_head_dim=64),
+}
+
+
+def coverage(supports, cases):
+    """{claimed capability: names of the claimed cases exercising it}."""
+    cov = {cap: [] for cap in supports.capabilities()}
+    for case in cases:
+        if supports.claims(case)[0]:
+            for cap in supports.exercised_by(case):
+                cov[cap].append(case.name)
+    return cov
+
+
+@pytest.mark.parametrize("suite", ["quick", "standard", "full"])
+@pytest.mark.parametrize("claims", list(CLAIMS))
+def test_every_claimed_capability_is_exercised(suite, claims):
+    supports = CLAIMS[claims]
+    cases = battery(suite, supports.dtypes, max_head_dim=supports.max_head_dim)
+    missing = [cap for cap, names in coverage(supports, cases).items() if not names]
+    assert not missing, f"verify bug: {claims} claims {missing}, which no {suite} case runs"
+
+
+def test_coverage_check_can_fail(monkeypatch):
+    """Without its bias cases the battery leaves a claimed capability unexercised, and the
+    report says so."""
+    import verify.cases
+
+    real = verify.cases.battery
+    monkeypatch.setattr(verify, "battery", lambda *a, **k: [c for c in real(*a, **k)
+                                                            if not c.bias])
+    supports = Supports(dtypes=("float32",))
+    report = verify.compare(kernel(None), suite="quick", supports=supports, progress=False)
+    assert report.unexercised == ["bias"]
+    assert "VERIFY BUG: claimed but exercised by no case: bias" in str(report)
+    assert report.coverage["scale:zero"] == ["scale 0", "scale 0 + causal"]
+
+
+@pytest.mark.parametrize("suite", ["quick", "standard", "full"])
+def test_poisoned_cases_always_bite(suite):
+    """Every poisoned case, for every seed tried, has a poisoned key that some rows see and
+    others do not (make_inputs raises VacuousCase otherwise)."""
+    poisoned = [c for c in battery(suite) if c.poison]
+    assert len(poisoned) >= 6
+    for case in poisoned:
+        for seed in range(40):
+            make_inputs(case, seed)
+
+
+def test_a_vacuous_poisoned_case_is_a_verify_bug():
+    case = Case("poison without masking", 1, 1, 1, 4, 5, 8, 8, "float32", poison="k:nan")
+    with pytest.raises(VacuousCase, match="cannot show a leak"):
+        make_inputs(case, 0)
+
+
+def test_failure_map_names_what_failures_share():
+    report = verify.compare(kernel("scale-ignored"), suite="quick", progress=False)
+    first = verify.failure_map.failure_map(report.cases)[0]
+    assert first.exact and first.trait == "with an explicit scale"
+    report = verify.compare(kernel("max-before-scale"), suite="quick", progress=False)
+    assert "all 3 failures have 'scale <= 0'" in str(report)  # plain scale 0 passes
+    report = verify.compare(kernel("whole-last-tile"), suite="quick", progress=False)
+    first = verify.failure_map.failure_map(report.cases)[0]
+    assert first.all_failures and first.trait == "Nk % 16 != 0"
+    aligned = [r for r in report.cases if r.case.name.startswith("aligned")]
+    assert aligned and all(r.verdict == "pass" for r in aligned)
+    data = json.loads(json.dumps(report.to_dict(), default=str))
+    assert data["failure_map"][0]["trait"] == "Nk % 16 != 0"
+
+
+def test_fully_masked_conventions_are_named():
+    from verify.runner import fully_masked_convention
+
+    case = Case("c", 1, 2, 2, 9, 5, 4, 4, "float32", causal="bottom_right")
+    q, k, v, options = make_inputs(case, 0)
+    import reference
+
+    truth = reference.attention(q, k, v, **options)
+    empty = np.zeros(truth.shape[:3], bool)
+    empty[..., :4] = True  # Nq - Nk = 4 rows see nothing under bottom-right alignment
+    unmasked = reference.attention(q, k, v)
+    mean = np.broadcast_to(v.mean(axis=2, keepdims=True), truth.shape)
+    for name, rows in (("zeros", 0 * truth), ("nan", np.nan + truth), ("mean", mean),
+                       ("unmasked", unmasked), ("other", truth + 7)):
+        out = np.where(empty[..., None], rows, truth)
+        assert fully_masked_convention(out, q, k, v, empty, options) == name
+
+
+def test_certificate_records_where_and_what(tmp_path):
+    report = verify.compare("reference", suite="quick", dtypes=("float32",), progress=False)
+    report.save(tmp_path / "c.json")
+    data = json.loads((tmp_path / "c.json").read_text())
+    env = data["environment"]
+    assert env["timestamp"] and env["numpy"] == np.__version__ and "commit" in env
+    assert len(data["battery_hash"]) == 64 and data["impl_spec"] == "reference"
+    assert all("seed" in c for c in data["cases"]) and data["unexercised"] == []
+    other = verify.compare("reference", suite="quick", dtypes=("float16",), progress=False)
+    assert other.battery_hash != report.battery_hash
+
+
+def test_replay_reruns_the_failures(tmp_path, capsys):
+    from verify.__main__ import main
+
+    path = tmp_path / "c.json"
+    assert main(["tests.broken_kernels:BROKEN_SCALE", "--dtype", "float32", "--json",
+                 str(path)]) == 1
+    failed = [c["case"]["name"] for c in json.loads(path.read_text())["cases"]
+              if c["verdict"] == "fail"]
+    report = verify.replay(str(path))
+    assert [r.case.name for r in report.cases] == failed and len(report.failures) == len(failed)
+    assert verify.replay(str(path), "tests.broken_kernels:CORRECT").passed
+    capsys.readouterr()
+    assert main(["--replay", str(path), "tests.broken_kernels:CORRECT"]) == 0
+    with pytest.raises(SystemExit):
+        main([])
+    assert "name an implementation" in capsys.readouterr().err
+
+
+def test_a_hang_skips_the_rest():
+    def hangs(q, k, v, **options):
+        time.sleep(3)
+
+    impl = verify.Implementation("hangs", hangs, Supports(dtypes=("float32",)))
+    cases = [(c, 0) for c in battery("quick", ("float32",))[:3]]
+    report = verify.compare(impl, cases=cases, timeout=0.5, progress=False)
+    assert [r.verdict for r in report.cases] == ["fail", "skipped", "skipped"]
+    assert "no result after 0.5 s" in report.cases[0].detail and not report.passed
+    with pytest.raises(ValueError, match="timeout must be a positive"):
+        verify.compare(impl, cases=cases, timeout=-1, progress=False)
+
+
+def test_scale_suite_samples_catch_index_wrap(monkeypatch):
+    """The scale suite's cases, shrunk so that a CPU runs them, against a kernel whose mask
+    index wraps at 2^16 (2^32 on a GPU): the rows sampled around the power-of-two boundary of
+    the flattened scores catch it; the reference passes the same cases."""
+    import tests.broken_kernels as broken
+    from verify.cases import sample_rows, scale_cases
+
+    small = scale_cases("float32", n=300, keys=700, queries=97, long=1001, cache=3001)
+    assert 2**16 < 300 * 300 and 2**16 // 300 in sample_rows(small[0])
+    cases = [(c, i) for i, c in enumerate(small) if not c.name.endswith("(queries)")]
+    assert verify.compare("reference", cases=cases, progress=False).passed
+    monkeypatch.setattr(broken, "WRAP_BITS", 16)
+    report = verify.compare(kernel("index-wrap"), cases=cases[:1], progress=False)
+    assert report.failures and "mismatched" in report.failures[0].detail
+    worst_row = report.failures[0].comparisons[0].worst_index[2]
+    assert sample_rows(small[0])[worst_row] >= 2**16 // 300
+
+
+def test_scale_suite_skips_what_memory_cannot_hold(monkeypatch):
+    import verify.runner as runner
+    from verify.cases import scale_cases
+
+    monkeypatch.setattr(runner, "_host_free", lambda: 2**30)
+    report = verify.compare("reference", cases=[(scale_cases("float32")[0], 0)],
+                            progress=False)
+    result = report.cases[0]
+    assert result.verdict == "skipped" and "GiB of host memory" in result.detail
 
 
 def test_reproducer_snippet_reproduces():
@@ -140,7 +335,7 @@ def test_large_scores_do_not_fail_a_correct_kernel_at_random(monkeypatch):
         failed = 0
         for seed in range(20):
             q, k, v, options = make_inputs(case, seed)
-            out, lse = correct(q, k, v, **options)
+            out, lse = correct(q, k, v, return_lse=True, **options)
             failed += not all(c.passed for c in criterion.judge(q, k, v, out, lse, **options))
         return failed
 

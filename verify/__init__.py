@@ -4,50 +4,68 @@
     report = verify.compare("numba")                 # a built-in adapter, or
     report = verify.compare(my_fn, supports=verify.Supports(dtypes=("float16",)))
     print(report); report.save("certificate.json")
+    verify.replay("certificate.json")                # re-run its failures, same seeds
     verify.assert_conforms(my_fn)                    # raises AssertionError with the report
 
 The error criterion is verify.criterion (one rule for the whole project); the battery is
 verify.cases; python -m verify is the command line.
 """
+import json
 import sys
 import time
 
 from .adapters import Implementation, Supports, builtin, load
 from .cases import Case, battery
 from .criterion import compare as compare_arrays
-from .report import CaseResult, Report, environment
-from .runner import run_case
+from .report import CaseResult, Report, battery_hash, environment
+from .runner import HUNG, run_case
 
-__all__ = ["compare", "assert_conforms", "Implementation", "Supports", "Case", "Report",
-           "CaseResult", "builtin", "load", "battery", "compare_arrays"]
+__all__ = ["compare", "replay", "assert_conforms", "Implementation", "Supports", "Case",
+           "Report", "CaseResult", "builtin", "load", "battery", "compare_arrays"]
 
 
 def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports=None,
-            suite="quick", seed=0, progress=True):
+            suite="quick", seed=0, progress=True, timeout=None, cases=None):
     """Run a suite against `impl` and return a Report.
 
     impl: a built-in name ("numba", "torch-efficient", ...), "MODULE:CALLABLE", an
-    Implementation, or a callable fn(q, k, v, **options) -> out or (out, lse). array, device,
-    layout and supports override the implementation's own; dtypes limits the battery.
+    Implementation, or a callable fn(q, k, v, **options) -> out, and (out, lse) when called
+    with return_lse=True if it claims lse. array, device, layout and supports override the
+    implementation's own; dtypes limits the battery; timeout (seconds) bounds each call (a
+    case whose call hangs fails, and the cases after it are skipped: a hung GPU serves no
+    more calls). cases: run these (a list of (Case, seed)) instead of the suite.
     """
-    impl_spec = impl if isinstance(impl, str) else getattr(impl, "name", repr(impl))
-    if isinstance(impl, str):
-        impl = load(impl)
-    elif not isinstance(impl, Implementation):
-        if not callable(impl):
-            raise TypeError(f"impl must be a name, an Implementation or a callable, got "
-                            f"{type(impl).__name__}")
-        impl = Implementation(getattr(impl, "__name__", "callable"), impl)
+    impl_spec = impl if isinstance(impl, str) else getattr(impl, "name", None) or _spec(impl)
+    impl = _implementation(impl)
     for name, value in (("array", array), ("device", device), ("layout", layout),
-                        ("supports", supports)):
+                        ("supports", supports), ("timeout_s", timeout)):
         if value is not None:
             setattr(impl, name, value)
+    if impl.timeout_s is None or not impl.timeout_s > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {impl.timeout_s}")
     dtypes = tuple(dtypes or impl.supports.dtypes)
-    cases = battery(suite, dtypes)
-    report = Report(impl.describe(), suite, seed, environment(impl), impl_spec=impl_spec)
-    t0 = time.perf_counter()
-    for i, case in enumerate(cases):
-        result = run_case(impl, case, seed + i)
+    # Claimed capabilities must be covered by the standard batteries; a replay's few cases
+    # and the scale suite's six are not meant to cover them.
+    explicit = cases is not None or suite == "scale"
+    if cases is None:
+        cases = [(c, seed + i) for i, c in enumerate(
+            battery(suite, dtypes, max_head_dim=impl.supports.max_head_dim))]
+    report = Report(impl.describe(), suite, seed, environment(impl), impl_spec=impl_spec,
+                    battery_hash=battery_hash([c for c, _ in cases]))
+    if not explicit:
+        report.coverage = {cap: [] for cap in impl.supports.capabilities()  # this run's dtypes
+                           if not cap.startswith("dtype:") or cap[len("dtype:"):] in dtypes}
+    t0, hung = time.perf_counter(), None
+    for i, (case, case_seed) in enumerate(cases):
+        if hung:
+            result = CaseResult(case, case_seed, "skipped", f"not run: {hung!r} hung")
+        else:
+            result = run_case(impl, case, case_seed)
+            if result.verdict == "fail" and result.detail.startswith(HUNG):
+                hung = case.name
+        if result.verdict in ("pass", "fail") and not explicit:
+            for cap in impl.supports.exercised_by(case):
+                report.coverage[cap].append(case.name)
         report.cases.append(result)
         if progress:
             print(f"\r[{i + 1}/{len(cases)} {time.perf_counter() - t0:5.0f}s] "
@@ -57,6 +75,42 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
         print(file=sys.stderr)
     report.costs = impl.costs_line()
     return report
+
+
+def _spec(fn):
+    """MODULE:CALLABLE for an importable function, else its repr."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    return f"{module}:{name}" if module and name and "<" not in name else repr(fn)
+
+
+def _implementation(impl):
+    if isinstance(impl, str):
+        return load(impl)
+    if isinstance(impl, Implementation):
+        return impl
+    if not callable(impl):
+        raise TypeError(f"impl must be a name, an Implementation or a callable, got "
+                        f"{type(impl).__name__}")
+    return Implementation(getattr(impl, "__name__", "callable"), impl)
+
+
+def replay(certificate, impl=None, **kw):
+    """Re-run the failed cases of a saved certificate (a path or its dict), with their seeds,
+    against impl (default: the implementation the certificate names). Returns a Report."""
+    if not isinstance(certificate, dict):
+        with open(certificate) as f:
+            certificate = json.load(f)
+    failed = [(_case(c["case"]), c["seed"]) for c in certificate["cases"]
+              if c["verdict"] == "fail"]
+    impl = impl or certificate.get("impl_spec") or certificate["implementation"]["name"]
+    return compare(impl, cases=failed, suite=f"replay of {certificate.get('suite')}", **kw)
+
+
+def _case(fields):
+    fields = dict(fields)
+    if fields.get("window") is not None:
+        fields["window"] = tuple(fields["window"])
+    return Case(**fields)
 
 
 def assert_conforms(impl, **kw):

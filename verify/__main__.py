@@ -1,8 +1,11 @@
 """python -m verify IMPL [--suite auto|quick|standard|full] [--dtype ...] [--json PATH]
+   python -m verify --replay CERTIFICATE.json [IMPL]
 
 IMPL: a built-in adapter (numba, reference, torch-math, torch-efficient, torch-flash,
 torch-cudnn, flash-attn, jax-xla, jax-cudnn) or MODULE:CALLABLE. Prints the report; writes the
-JSON certificate with --json. Exit code 0 only when the implementation passes.
+JSON certificate with --json. --replay re-runs a certificate's failed cases with their seeds
+(against IMPL, or the implementation the certificate names). Exit code 0 only when the
+implementation passes; 2 for a bad command line.
 """
 import argparse
 import sys
@@ -12,7 +15,11 @@ from .device import use_simulator_if_no_gpu
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m verify", description=__doc__.splitlines()[0])
-    ap.add_argument("impl", help="built-in adapter name or MODULE:CALLABLE")
+    ap.add_argument("impl", nargs="?", help="built-in adapter name or MODULE:CALLABLE")
+    ap.add_argument("--replay", metavar="CERTIFICATE",
+                    help="re-run the failed cases of this JSON certificate")
+    ap.add_argument("--timeout", type=float, default=120.0,
+                    help="seconds a call may take before it counts as hung (default 120)")
     ap.add_argument("--suite", default="auto", choices=["auto", "quick", "standard", "full"],
                     help="auto (default): standard on a GPU, quick in the CUDA simulator")
     ap.add_argument("--dtype", action="append", dest="dtypes",
@@ -25,17 +32,22 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the certificate here")
     a = ap.parse_args(argv)
+    if not a.impl and not a.replay:
+        ap.error("name an implementation (IMPL), or a certificate with --replay")
     simulated = use_simulator_if_no_gpu()
     if simulated:
         print("no GPU found: Numba kernels run in the CUDA simulator (tiny sizes only)",
               file=sys.stderr)
     suite = a.suite if a.suite != "auto" else ("quick" if simulated else "standard")
-    from . import compare
+    from . import compare, replay
 
+    options = dict(array=a.array, device=a.device, layout=a.layout, timeout=a.timeout)
     try:
-        report = compare(a.impl, array=a.array, device=a.device, layout=a.layout,
-                         dtypes=a.dtypes, suite=suite, seed=a.seed)
-    except (ValueError, ImportError, AttributeError) as e:
+        if a.replay:
+            report = replay(a.replay, a.impl, **options)
+        else:
+            report = compare(a.impl, dtypes=a.dtypes, suite=suite, seed=a.seed, **options)
+    except (ValueError, ImportError, AttributeError, OSError, KeyError) as e:
         print(f"python -m verify: {e}", file=sys.stderr)
         return 2
     print(report)

@@ -1,7 +1,8 @@
 """What verify calls: an Implementation wraps any attention kernel with its declared support.
 
 The callable takes (q, k, v) in its own array type and layout, with the contract's keyword
-options (scale, causal, mask, kv_lengths, window), and returns out or (out, lse). Supports says
+options (scale, causal, mask, bias, kv_lengths, window), and returns out; when Supports.lse is
+claimed it is also called with return_lse=True and must then return (out, lse). Supports says
 what it claims; cases that need anything else are reported "not claimed", not failed.
 
 Built-in adapters (imported lazily, by name): reference, numba, torch-math, torch-efficient,
@@ -22,15 +23,19 @@ from reference.contract import check_attention_args, dense_visible
 class Supports:
     dtypes: tuple = ("float32", "float16", "bfloat16")
     causal: tuple = ("top_left", "bottom_right")
-    mask: bool = True
+    mask: bool = True  # boolean masks in every broadcast form (B or 1, Hq or 1, Nq, Nk)
+    bias: bool = True  # additive float bias, in the same forms
     kv_lengths: bool = True
     window: bool = True
     gqa: bool = True
     dv_differs: bool = True
-    lse: bool = True
+    lse: bool = True  # returns (out, lse) when called with return_lse=True
     nonfinite_hidden: bool = True  # claims that hidden NaN/inf values change nothing
     max_head_dim: int = 256
+    scale: tuple = ("positive", "zero", "negative")  # explicit scales it takes
     fully_masked: str = "zeros"  # rows with no visible key: "zeros" (the contract), "nan", "mean"
+    batch_invariant: bool = True  # each (batch, head) alone gives bitwise the batched result
+    out_buffer: bool = False  # takes out= (a caller's array, possibly a view) and fills it
 
     def claims(self, case):
         """(True, "") or (False, the feature this case needs and the implementation lacks)."""
@@ -38,15 +43,37 @@ class Supports:
             kind, _, value = f.partition(":")
             ok = {"dtype": lambda: value in self.dtypes,
                   "causal": lambda: value in self.causal,
+                  "scale": lambda: value in self.scale,
                   "window": lambda: self.window, "mask": lambda: self.mask,
+                  "bias": lambda: self.bias,
                   "kv_lengths": lambda: self.kv_lengths, "gqa": lambda: self.gqa,
                   "dv_differs": lambda: self.dv_differs,
-                  "nonfinite_hidden": lambda: self.nonfinite_hidden}[kind]()
+                  "nonfinite_hidden": lambda: self.nonfinite_hidden,
+                  "out_buffer": lambda: self.out_buffer}[kind]()
             if not ok:
                 return False, f
         if max(case.D, case.Dv) > self.max_head_dim:
             return False, f"head dim > {self.max_head_dim}"
         return True, ""
+
+    def capabilities(self):
+        """Every capability claimed, by the names exercised_by uses: each must be exercised
+        by some case of every suite (a test says so)."""
+        caps = [f"dtype:{d}" for d in self.dtypes] + [f"causal:{c}" for c in self.causal]
+        caps += [f"scale:{s}" for s in self.scale] + [f"head_dim:{self.max_head_dim}"]
+        caps += [name for name in ("mask", "bias", "kv_lengths", "window", "gqa", "dv_differs",
+                                   "lse", "nonfinite_hidden", "out_buffer")
+                 if getattr(self, name)]
+        return caps
+
+    def exercised_by(self, case):
+        """The claimed capabilities a case (that is claimed) exercises."""
+        caps = set(case.features())
+        if self.lse:
+            caps.add("lse")
+        if max(case.D, case.Dv) == self.max_head_dim:
+            caps.add(f"head_dim:{self.max_head_dim}")
+        return caps & set(self.capabilities())
 
 
 @dataclass
@@ -107,9 +134,10 @@ def _version(module):
 def _reference():
     import reference
 
-    def fn(q, k, v, **options):
+    def fn(q, k, v, return_lse=False, **options):
         out, lse = reference.attention(q, k, v, return_lse=True, **options)
-        return out.astype(q.dtype), lse.astype(np.float32)
+        out = out.astype(q.dtype)
+        return (out, lse.astype(np.float32)) if return_lse else out
 
     return Implementation("reference", fn, Supports(), version="float64, flash-conformance")
 
@@ -119,7 +147,7 @@ def _numba():
     from numba_kernels.convert import SIMULATOR
 
     def fn(q, k, v, **options):
-        return flash_attention(q, k, v, return_lse=True, **options)
+        return flash_attention(q, k, v, **options)
 
     def costs():
         times = compile_times()
@@ -129,7 +157,10 @@ def _numba():
                 f"(once each per process, at its first call)")
 
     on_gpu = not SIMULATOR
-    return Implementation("numba", fn, Supports(), array="torch" if on_gpu else "numpy",
+    # On a GPU the number of key splits (split_kv.py) depends on the grid, so one (batch,
+    # head) alone may be split where the batch is not: equal within the bound, not bitwise.
+    return Implementation("numba", fn, Supports(batch_invariant=not on_gpu),
+                          array="torch" if on_gpu else "numpy",
                           device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
                           + ("" if on_gpu else " (CUDA simulator)"), costs=costs)
@@ -153,17 +184,21 @@ def _torch_sdpa(backend):
               "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
     dtypes, max_d, masks, gqa, dv = TORCH_BACKENDS[backend]
 
-    def fn(q, k, v, scale=None, causal=False, mask=None, kv_lengths=None, window=None):
+    def fn(q, k, v, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
+           window=None):
         kw = dict(scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-        if mask is None and kv_lengths is None and window is None:
+        if mask is None and bias is None and kv_lengths is None and window is None:
             if causal == "top_left":
                 kw["is_causal"] = True  # PyTorch's is_causal is top-left aligned
             elif causal == "bottom_right":
                 kw["attn_mask"] = causal_lower_right(q.shape[2], k.shape[2])
-        else:  # one boolean mask built from the contract's definitions
+        else:  # one boolean mask built from the contract's definitions, or a float one
             pb = check_attention_args(q, k, v, causal=causal, window=window, mask=mask,
                                       kv_lengths=kv_lengths)
-            kw["attn_mask"] = dense_visible(pb, mask, kv_lengths, xp=_TorchXP(q.device))
+            keep = dense_visible(pb, mask, kv_lengths, xp=_TorchXP(q.device))
+            if bias is not None:  # additive: -inf where hidden (SDPA takes q's dtype)
+                keep = torch.where(keep, bias.to(q.dtype), float("-inf"))
+            kw["attn_mask"] = keep
         with sdpa_kernel(chosen):
             return F.scaled_dot_product_attention(q, k, v, **kw)
 
@@ -171,7 +206,7 @@ def _torch_sdpa(backend):
         f"torch-{backend}", fn,
         # Masks are added as -inf to the scores, and NaN + -inf = NaN: a NaN in a hidden key
         # reaches every row (pytorch/pytorch#101967), so containment is not claimed.
-        Supports(dtypes=dtypes, mask=masks, kv_lengths=masks, window=masks, gqa=gqa,
+        Supports(dtypes=dtypes, mask=masks, bias=masks, kv_lengths=masks, window=masks, gqa=gqa,
                  dv_differs=dv, lse=False, max_head_dim=max_d, nonfinite_hidden=False),
         array="torch", device="cuda" if torch.cuda.is_available() else "cpu",
         version=f"torch {torch.__version__}")
@@ -201,16 +236,16 @@ class _TorchXP:
 def _flash_attn():
     import flash_attn
 
-    def fn(q, k, v, scale=None, causal=False, window=None):
+    def fn(q, k, v, scale=None, causal=False, window=None, return_lse=False):
         # flash-attn's causal is bottom-right aligned; window_size likewise.
         out, lse, _ = flash_attn.flash_attn_func(
             q, k, v, softmax_scale=scale, causal=causal == "bottom_right",
             window_size=window if window is not None else (-1, -1), return_attn_probs=True)
-        return out, lse
+        return (out, lse) if return_lse else out
 
     return Implementation("flash-attn", fn,
                           Supports(dtypes=("float16", "bfloat16"), causal=("bottom_right",),
-                                   mask=False, kv_lengths=False, dv_differs=False),
+                                   mask=False, bias=False, kv_lengths=False, dv_differs=False),
                           array="torch", device="cuda", layout="bnhd",
                           version=f"flash-attn {flash_attn.__version__}")
 
@@ -219,8 +254,9 @@ def _jax(implementation):
     import jax
     import jax.numpy as jnp
 
-    def fn(q, k, v, scale=None, causal=False, mask=None, kv_lengths=None, window=None):
-        kw = dict(scale=scale, implementation=implementation)
+    def fn(q, k, v, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
+           window=None):
+        kw = dict(scale=scale, implementation=implementation, bias=bias)
         if causal == "top_left" and mask is None:
             kw["is_causal"] = True  # jax's causal mask is a lower triangle: top-left
         elif causal or mask is not None or window is not None:

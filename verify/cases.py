@@ -8,7 +8,23 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-SUITES = ("quick", "standard", "full")
+SUITES = ("quick", "standard", "full", "scale")
+BIAS_KINDS = {  # kind: the bias's shape, what it holds
+    "random": "(B, Hq, Nq, Nk) normal values",
+    "neg-inf": "(B, 1, Nq, Nk) normal values, a third of them -inf (a mask)",
+    "alibi": "(1, Hq, Nq, Nk) per-head slopes times the distance to the diagonal, as in ALiBi",
+    "shared": "(1, 1, Nq, Nk) normal values",
+}
+CHECKS = {  # check: what the runner does beyond one call
+    "fresh-inputs": "new values written into the same buffers must give a new, correct answer",
+    "batch-alone": "each (batch, head) computed alone must give the batched result",
+    "stream": "on a non-default stream, the result must be complete on that stream",
+    "out-buffer": "writing into a caller's out= view must leave the bytes around it alone",
+}
+
+
+class VacuousCase(Exception):
+    """A case whose inputs cannot show what it is meant to test: a bug of verify."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +45,12 @@ class Case:
     values: str = "normal"  # normal, large, tiny, ties, nan-hidden, inf-hidden, nan-visible
     strided: bool = False  # inputs are non-contiguous views
     repeat: bool = False  # run twice, outputs must be bitwise equal
+    scale: float = None  # an explicit scale (None: the default 1 / sqrt(D))
+    mask_shape: str = "batch"  # batch (B, 1, Nq, Nk), head (B, Hq, Nq, Nk), shared (1, 1, ..)
+    bias: str = None  # None, random, neg-inf, alibi, shared (BIAS_KINDS)
+    poison: str = None  # "k:nan", "v:-inf", ...: keys some rows see and others do not
+    check: str = None  # a property of the call beyond its values (CHECKS)
+    sampled: bool = False  # judged on sample_rows(case) only (the scale suite's sizes)
 
     def to_dict(self):
         return asdict(self)
@@ -42,14 +64,21 @@ class Case:
             f.add("window")
         if self.mask:
             f.add("mask")
+        if self.bias:
+            f.add("bias")
         if self.kv_lengths:
             f.add("kv_lengths")
         if self.Hq != self.Hk:
             f.add("gqa")
         if self.Dv != self.D:
             f.add("dv_differs")
-        if self.values in ("nan-hidden", "inf-hidden", "nan-visible"):  # containment
-            f.add("nonfinite_hidden")
+        if self.values in ("nan-hidden", "inf-hidden", "nan-visible") or self.poison:
+            f.add("nonfinite_hidden")  # containment
+        if self.scale is not None:
+            f.add("scale:" + ("zero" if self.scale == 0 else
+                              "positive" if self.scale > 0 else "negative"))
+        if self.check == "out-buffer":
+            f.add("out_buffer")
         return f
 
 
@@ -58,7 +87,9 @@ def make_inputs(case, seed):
     rng = np.random.default_rng(seed)
     shapes = [(case.B, case.Hq, case.Nq, case.D), (case.B, case.Hk, case.Nk, case.D),
               (case.B, case.Hk, case.Nk, case.Dv)]
-    q, k, v = (rng.standard_normal(s) for s in shapes)
+    # float32 draws for the scale suite's billions of elements (float64 ones for the rest)
+    q, k, v = (rng.standard_normal(s, dtype=np.float32 if case.sampled else np.float64)
+               for s in shapes)
     if case.values == "large":  # scores far beyond exp's range: needs the max subtraction
         q, k = q * 30.0, k * 30.0
     elif case.values == "tiny":
@@ -66,12 +97,16 @@ def make_inputs(case, seed):
     elif case.values == "ties":  # few distinct scores: many exact ties in every row
         q, k = np.sign(q), np.sign(k)
     options = {}
+    if case.scale is not None:
+        options["scale"] = case.scale
     if case.causal:
         options["causal"] = case.causal
     if case.window is not None:
         options["window"] = case.window
     if case.mask:
         options["mask"] = _mask(case, rng)
+    if case.bias:  # in the inputs' dtype, as libraries take it
+        options["bias"] = _cast(_bias(case, rng), case.dtype)
     if case.kv_lengths:
         lengths = rng.integers(1, case.Nk + 1, case.B)
         if case.kv_lengths == "edges":
@@ -82,6 +117,8 @@ def make_inputs(case, seed):
         _poison_hidden(case, k, v, options, np.nan if case.values == "nan-hidden" else np.inf)
     elif case.values == "nan-visible":
         k[0, 0, case.Nk // 2, 0] = np.nan  # seen by the rows that see key Nk // 2
+    if case.poison:
+        _poison_some_rows(case, k, v, options)
     return q, k, v, options
 
 
@@ -94,7 +131,10 @@ def _cast(x, dtype):
 
 
 def _mask(case, rng):
-    shape = (case.B, 1, case.Nq, case.Nk)
+    heads = {"batch": (case.B, 1), "head": (case.B, case.Hq), "shared": (1, 1)}
+    shape = heads[case.mask_shape] + (case.Nq, case.Nk)
+    if case.sampled:  # billions of elements: rows drawn from PATTERNS random ones
+        return _patterned(rng.random((PATTERNS, case.Nk)) < 0.6, shape)
     if case.mask == "random":
         m = rng.random(shape) < 0.6
         m[..., rng.integers(0, case.Nk, case.Nq)] = True  # keep rows non-empty
@@ -113,21 +153,109 @@ def _mask(case, rng):
     return m
 
 
+def _bias(case, rng):
+    """An additive bias of kind case.bias (BIAS_KINDS), float64 (cast by the runner)."""
+    if case.bias == "alibi":  # slope_h * (j - i): closer keys weigh more, slopes 2^-(8h/H)
+        slopes = 2.0 ** (-8.0 * np.arange(1, case.Hq + 1) / case.Hq)
+        dist = np.arange(case.Nk)[None, :] - np.arange(case.Nq)[:, None]
+        return (-slopes[:, None, None] * np.abs(dist))[None]
+    shape = {"random": (case.B, case.Hq), "neg-inf": (case.B, 1), "shared": (1, 1)}
+    shape = shape[case.bias] + (case.Nq, case.Nk)
+    if case.sampled:
+        return _patterned(rng.standard_normal((PATTERNS, case.Nk), dtype=np.float32), shape)
+    bias = rng.standard_normal(shape)
+    if case.bias == "neg-inf":
+        bias[rng.random(bias.shape) < 1 / 3] = -np.inf
+        bias[..., np.arange(case.Nq), rng.integers(0, case.Nk, case.Nq)] = 0.5  # rows see a key
+    return bias
+
+
+PATTERNS = 251  # distinct rows of a scale-suite mask or bias (a prime: rows i, i + 2^k differ)
+
+
+def _patterned(patterns, shape):
+    """An array of `shape` (.., Nq, Nk) whose row i is patterns[(i * 7919) % PATTERNS]."""
+    lead = int(np.prod(shape[:-1]))
+    index = (np.arange(lead, dtype=np.int64) * 7919) % len(patterns)
+    return np.take(patterns, index, axis=0).reshape(shape)
+
+
+def sample_rows(case):
+    """The query rows the scale suite judges (all of them for small cases): spread over Nq,
+    dense at the end, and around every power of two 2^k (k >= 10) of the flattened indices
+    of q, out, lse and of the (B, Hq, Nq, Nk) scores, mask and bias, where 32-bit index
+    arithmetic wraps."""
+    n = case.Nq
+    rows = set(np.linspace(0, n - 1, 64).astype(int).tolist()) | set(range(max(0, n - 32), n))
+    widths = {case.D, case.Dv, 1, case.Nk}  # elements per query row in each flat array
+    total = case.B * case.Hq * n * max(case.D, case.Dv, case.Nk)
+    for k in range(10, max(11, int(total).bit_length() + 1)):
+        for width in widths:
+            row = (2**k // width) % n
+            rows |= {r % n for r in (row - 1, row, row + 1)}
+    return sorted(rows)
+
+
+def visibility(case, options):
+    """(B, Hq, Nq, Nk) True where a key is visible (the contract's definition)."""
+    from reference.contract import check_attention_args, dense_visible
+
+    stand_in = [np.broadcast_to(np.float32(0), s) for s in (
+        (case.B, case.Hq, case.Nq, case.D), (case.B, case.Hk, case.Nk, case.D),
+        (case.B, case.Hk, case.Nk, case.Dv))]
+    pb = check_attention_args(*stand_in, **options)
+    keep = dense_visible(pb, options.get("mask"), options.get("kv_lengths"))
+    if options.get("bias") is not None:
+        keep = keep & (options["bias"] != -np.inf)
+    return np.broadcast_to(keep, (case.B, case.Hq, case.Nq, case.Nk))
+
+
 def _poison_hidden(case, k, v, options, value):
     """Put non-finite values where no row can see them: past kv_lengths, or masked columns."""
     if "kv_lengths" in options:
         for b, n in enumerate(options["kv_lengths"]):
             k[b, :, n:], v[b, :, n:] = value, value
     if "mask" in options:
-        hidden = ~options["mask"].any(axis=(1, 2))  # (B, Nk) keys no row sees
+        hidden = ~np.broadcast_to(options["mask"], (case.B, case.Hq, case.Nq, case.Nk)).any(
+            axis=(1, 2))  # (B, Nk) keys no row sees
         for b in range(case.B):
             k[b, :, hidden[b]], v[b, :, hidden[b]] = value, value
 
 
-def battery(suite="quick", dtypes=("float32", "float16", "bfloat16")):
-    """The cases of a suite, in a fixed order."""
+def _poison_some_rows(case, k, v, options):
+    """case.poison = "k:nan", "v:-inf", ...: in each batch, every key that no row sees, and one
+    key that some rows see and others (which see other keys) do not, get the value: in K one
+    element, in V one column. Raises VacuousCase when no key anywhere is of the second kind:
+    then a kernel that leaks would pass unnoticed."""
+    tensor, _, name = case.poison.partition(":")
+    value = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}[name]
+    keep = visibility(case, options)
+    bites = 0
+    for b in range(case.B):
+        seen = keep[b].reshape(-1, case.Nk)  # (Hq * Nq, Nk)
+        rows = seen.any(axis=1)
+        biting = np.flatnonzero(seen.any(axis=0) & (rows[:, None] & ~seen).any(axis=0))
+        keys = list(np.flatnonzero(~seen.any(axis=0)))
+        if biting.size:
+            keys.append(int(biting[biting.size // 2]))
+            bites += 1
+        for j in keys:
+            if tensor == "k":
+                k[b, :, j, 0] = value
+            else:
+                v[b, :, j, j % case.Dv] = value
+    if not bites:
+        raise VacuousCase(f"case {case.name!r}: no key is seen by some rows and hidden from "
+                          f"others, so poisoning cannot show a leak")
+
+
+def battery(suite="quick", dtypes=("float32", "float16", "bfloat16"), max_head_dim=256):
+    """The cases of a suite, in a fixed order. max_head_dim: the largest head dim claimed
+    (one case runs at it)."""
     if suite not in SUITES:
         raise ValueError(f"suite must be one of {SUITES}, got {suite!r}")
+    if suite == "scale":
+        return scale_cases(dtypes[0])
     small = suite == "quick"
     N = (lambda n: n) if not small else (lambda n: min(n, 70))
     cases = []
@@ -147,15 +275,15 @@ def battery(suite="quick", dtypes=("float32", "float16", "bfloat16")):
             dtype=dtype)
         add(f"large scores {tag}", values="large", dtype=dtype)
         add(f"mask random {tag}", mask="random", dtype=dtype)
+    _aligned(add, small)
     for nq, nk, causal in itertools.product((N(29), N(67)), (N(31),), ("top_left",
                                                                         "bottom_right")):
         add(f"causal {causal} {nq}x{nk}", Nq=nq, Nk=nk, causal=causal)
     add("window (4, 2)", Nq=N(50), Nk=N(50), window=(4, 2))
     add("window (0, 0)", Nq=N(20), Nk=N(20), window=(0, 0))
     add("window (3, -1) + causal", Nq=N(40), Nk=N(45), window=(3, -1), causal="bottom_right")
-    add("mask diagonal", mask="diagonal", Nq=N(30), Nk=N(30))
-    add("mask single key", mask="single-key", Nq=N(40), Nk=N(50))
-    add("mask empty rows", mask="empty-rows", Nq=N(40), Nk=N(50))
+    _scales(add, N)
+    _masks_and_bias(add, N)
     add("kv_lengths random", kv_lengths="random", B=3, Nk=N(70))
     add("kv_lengths 0, 1, Nk", kv_lengths="edges", B=3, Nk=N(70), causal="bottom_right")
     add("mask + causal + kv_lengths", mask="random", causal="top_left", kv_lengths="random",
@@ -165,13 +293,12 @@ def battery(suite="quick", dtypes=("float32", "float16", "bfloat16")):
     add("Dv != D", D=32, Dv=24)
     add("head dim 40", D=40, Dv=40)
     add("head dim 1", D=1, Dv=1, Nq=N(9), Nk=N(9))
+    add(f"head dim {max_head_dim} (the largest claimed)", D=max_head_dim, Dv=max_head_dim,
+        B=1, Hq=1, Hk=1, Nq=N(33), Nk=N(47))
     add("tiny values", values="tiny")
     add("ties", values="ties", causal="top_left")
-    add("NaN past kv_lengths", values="nan-hidden", kv_lengths="random", B=3)
-    add("inf in masked keys", values="inf-hidden", mask="random")
-    add("NaN in a visible key", values="nan-visible", causal="top_left", Nq=N(40), Nk=N(40))
-    add("strided inputs", strided=True, causal="top_left", Hq=4, Hk=2)
-    add("determinism", repeat=True, Nq=N(100), Nk=N(100), mask="random")
+    _non_finite(add, N)
+    _call_checks(add, N)
     if not small:
         for d in (64, 96, 128, 256):
             add(f"head dim {d}", D=d, Dv=d, Nq=257, Nk=1023, causal="bottom_right")
@@ -185,3 +312,95 @@ def battery(suite="quick", dtypes=("float32", "float16", "bfloat16")):
         add("B*H = 1024", B=64, Hq=16, Hk=16, Nq=128, Nk=128)
     return cases
 
+
+SCALE_N = 65552  # SCALE_N**2 > 2**32 scores
+
+
+def scale_cases(dtype, n=SCALE_N, keys=524289, queries=16385, long=131089, cache=2**20 + 7):
+    """The scale suite (a GPU's memory): 32-bit index limits crossed, judged on sample_rows.
+    The sizes are parameters so that a CPU test can run the same cases small."""
+    def case(name, **kw):
+        base = dict(B=1, Hq=1, Hk=1, D=64, Dv=64, dtype=dtype, sampled=True)
+        base.update(kw)
+        return Case(name=name, **base)
+
+    return [
+        case("scale: Nq*Nk > 2^32 with a mask", Nq=n, Nk=n, mask="random",
+             mask_shape="shared"),
+        case("scale: Nq*Nk > 2^32 with a bias", Nq=n, Nk=n, bias="shared"),
+        case("scale: B*H*Nk*D > 2^31 (keys)", B=4, Hq=8, Hk=8, Nq=64, Nk=keys, D=128,
+             Dv=128),
+        case("scale: B*H*Nq*D > 2^31 (queries)", B=64, Hq=16, Hk=16, Nq=queries, Nk=64,
+             D=128, Dv=128),
+        case("scale: 128k keys, causal, GQA", B=2, Hq=8, Hk=2, Nq=512, Nk=long, D=128,
+             Dv=128, causal="bottom_right"),
+        case("scale: decoding, 1M-key cache", B=2, Hq=8, Hk=8, Nq=1, Nk=cache, D=128, Dv=128,
+             kv_lengths="random"),
+    ]
+
+
+def _aligned(add, small):
+    """Tile-aligned shapes beside the awkward ones, so a failure map can tell them apart."""
+    sizes, dims = ((64, 128), (64,)) if small else ((64, 128, 256, 1024), (64, 128))
+    for n, d in itertools.product(sizes, dims):
+        add(f"aligned {n}x{n} D={d}", B=1, Hq=2, Hk=2, Nq=n, Nk=n, D=d, Dv=d)
+
+
+def _scales(add, N):
+    add("scale 1.0", scale=1.0)
+    add("scale 0.01 (small)", scale=0.01)
+    add("scale 3.0 (large)", scale=3.0, Nq=N(40), Nk=N(50))
+    add("scale 0", scale=0.0, Nq=N(20), Nk=N(30))
+    add("scale 0 + causal", scale=0.0, causal="top_left", Nq=N(40), Nk=N(40))
+    add("scale -0.25 + causal", scale=-0.25, causal="bottom_right", Nq=N(30), Nk=N(45))
+    add("scale -1.0 + mask", scale=-1.0, mask="random", Nq=N(30), Nk=N(45))
+
+
+def _masks_and_bias(add, N):
+    add("mask diagonal", mask="diagonal", Nq=N(30), Nk=N(30))
+    add("mask single key", mask="single-key", Nq=N(40), Nk=N(50))
+    add("mask empty rows", mask="empty-rows", Nq=N(40), Nk=N(50))
+    add("mask per head (B, Hq, Nq, Nk)", mask="random", mask_shape="head", Hq=3, Hk=3,
+        Nq=N(33), Nk=N(40))
+    add("mask per head + GQA", mask="empty-rows", mask_shape="head", Hq=4, Hk=2, Nq=N(20),
+        Nk=N(24))
+    add("mask shared (1, 1, Nq, Nk)", mask="random", mask_shape="shared", Nq=N(33), Nk=N(40))
+    add("bias per head (B, Hq, Nq, Nk)", bias="random", Hq=3, Hk=3, Nq=N(33), Nk=N(40))
+    add("bias with -inf (B, 1, Nq, Nk)", bias="neg-inf", Nq=N(33), Nk=N(40))
+    add("bias ALiBi slopes (1, Hq, Nq, Nk)", bias="alibi", Hq=4, Hk=4, Nq=N(40), Nk=N(40),
+        causal="bottom_right")
+    add("bias shared (1, 1, Nq, Nk)", bias="shared", Nq=N(33), Nk=N(40))
+    add("bias + mask + kv_lengths", bias="random", mask="random", kv_lengths="random", B=3,
+        Nq=N(30), Nk=N(40))
+
+
+def _non_finite(add, N):
+    """Non-finite values: in keys no row sees (past kv_lengths, masked), in keys some rows see
+    and others do not (under each kind of masking), and in a visible key."""
+    add("NaN past kv_lengths", values="nan-hidden", kv_lengths="random", B=3)
+    add("inf in masked keys", values="inf-hidden", mask="random")
+    add("NaN in a visible key", values="nan-visible", causal="top_left", Nq=N(40), Nk=N(40))
+    setups = [  # (poison, where some rows see it and others not)
+        ("k:nan", dict(causal="top_left")), ("v:nan", dict(window=(3, 2))),
+        ("k:inf", dict(mask="random")), ("v:inf", dict(kv_lengths="random", B=3,
+                                                       causal="bottom_right")),
+        ("k:-inf", dict(causal="bottom_right", Nq=N(50), Nk=N(30))),
+        ("v:-inf", dict(mask="random", mask_shape="head")),
+        ("v:nan", dict(bias="neg-inf")),
+    ]
+    for poison, kw in setups:
+        where = "+".join(f"{k}={v}" for k, v in kw.items() if k in ("causal", "window",
+                                                                    "mask", "kv_lengths",
+                                                                    "bias"))
+        kw = dict(dict(Nq=N(40), Nk=N(40)), **kw)
+        add(f"{poison} in keys some rows see ({where})", poison=poison, **kw)
+
+
+def _call_checks(add, N):
+    """What every kernel must do at its minimal claim (first dtype, no mask, Hq = Hk)."""
+    add("strided inputs", strided=True, causal="top_left", Hq=4, Hk=2)
+    add("strided inputs (minimal)", strided=True, Nq=N(37), Nk=N(41))
+    add("determinism", repeat=True, Nq=N(100), Nk=N(100), mask="random")
+    add("determinism (minimal)", repeat=True, Nq=N(45), Nk=N(61))
+    for check in CHECKS:
+        add(f"call check: {check}", check=check, B=3, Nq=N(33), Nk=N(47))

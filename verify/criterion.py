@@ -105,10 +105,22 @@ def floor(dtype, truth_scale, score_term=0.0):
 def score_rounding(lse, v):
     """2 u max|lse| max|v|: what rounding each score to float32 once can do to the output (see
     the module's docstring). lse: the truth's (natural log); v: the values; finite parts only."""
-    lse, v = np.asarray(lse, dtype=np.float64), np.asarray(v, dtype=np.float64)
+    lse = np.asarray(lse, dtype=np.float64)
     s = float(np.abs(lse[np.isfinite(lse)]).max(initial=0.0))
-    vmax = float(np.abs(v[np.isfinite(v)]).max(initial=0.0))
-    return 2.0 * U_SCORES * s * vmax
+    return 2.0 * U_SCORES * s * finite_abs_max(v)
+
+
+def finite_abs_max(x):
+    """max |x| over the finite elements (0 if none), a slice at a time: x may be billions of
+    elements (the scale suite)."""
+    x = np.asarray(x)
+    x = x.reshape((-1,) + x.shape[-1:]) if x.ndim else x.reshape(1, 1)
+    step = max(1, (1 << 24) // max(1, x.shape[-1]))
+    best = 0.0
+    for i in range(0, x.shape[0], step):
+        part = np.abs(x[i:i + step].astype(np.float64))
+        best = max(best, float(part[np.isfinite(part)].max(initial=0.0)))
+    return best
 
 
 def compare(name, got, truth, plain, dtype, score_term=0.0):
@@ -154,20 +166,21 @@ def _argmax(x):
     return tuple(int(i) for i in np.unravel_index(int(np.argmax(x)), x.shape))
 
 
-def judge(q, k, v, out, lse=None, dtype=None, **options):
+def judge(q, k, v, out, lse=None, dtype=None, rows=None, **options):
     """Compare a kernel's (out, lse) for inputs q, k, v with the reference.
 
     q, k, v: NumPy or CuPy arrays (CuPy: the truth is computed on the GPU, in float64); dtype:
     the precision the kernel was given, when q holds its values in a wider type (CuPy has no
-    bfloat16). options are the contract's keyword arguments. Returns a list of Comparison,
-    one for out and one for lse when given.
+    bfloat16). rows: out and lse hold only these query rows (reference.attention's rows).
+    options are the contract's keyword arguments. Returns a list of Comparison, one for out
+    and one for lse when given.
     """
     import reference
 
     dtype = dtype or reference.dtype_name(q)
-    truth, truth_lse = reference.attention(q, k, v, return_lse=True, **options)
+    truth, truth_lse = reference.attention(q, k, v, return_lse=True, rows=rows, **options)
     plain, plain_lse = reference.attention_lowp(q, k, v, return_lse=True, dtype=dtype,
-                                                **options)
+                                                rows=rows, **options)
     truth_lse = _host(truth_lse)
     result = [compare("out", out, _host(truth), _host(plain), dtype,
                       score_rounding(truth_lse, _host(v)))]

@@ -1,17 +1,24 @@
-"""Results: one CaseResult per case, gathered in a Report that prints as a table and saves as
-a JSON certificate."""
+"""Results: one CaseResult per case, gathered in a Report that prints as a table (after the
+failure map and the capability coverage) and saves as a JSON certificate that
+`python -m verify --replay` re-runs."""
+import datetime
+import hashlib
 import json
+import os
 import platform
+import subprocess
 from dataclasses import dataclass, field
 
-VERDICTS = ("pass", "fail", "not claimed")
+from .failure_map import conventions, failure_map
+
+VERDICTS = ("pass", "fail", "not claimed", "skipped")
 
 
 @dataclass
 class CaseResult:
     case: object
     seed: int
-    verdict: str  # pass, fail, not claimed
+    verdict: str  # pass, fail, not claimed, skipped (not run: an earlier case hung)
     detail: str = ""
     comparisons: list = field(default_factory=list)
     seconds: float = 0.0
@@ -21,14 +28,19 @@ class CaseResult:
         return max((c.ratio for c in self.comparisons), default=float("nan"))
 
     def reproducer(self, impl_spec):
-        """A snippet that reruns this case with the reference beside the implementation."""
+        """A snippet that reruns this case with the reference beside the implementation.
+        impl_spec: a built-in name or MODULE:CALLABLE; anything else (a function defined
+        where it cannot be imported) leaves a line for the reader to fill in."""
+        loadable = impl_spec and "<" not in impl_spec and " " not in impl_spec
+        impl = (f"impl = load({impl_spec!r})\n" if loadable else
+                "impl = Implementation('mine', my_attention)  # your kernel and its Supports\n")
         return (
             "from verify.cases import Case, make_inputs\n"
-            "from verify.adapters import load\n"
+            "from verify.adapters import Implementation, load\n"
             "from verify.runner import run_case\n"
             f"case = Case(**{self.case.to_dict()!r})\n"
-            f"q, k, v, options = make_inputs(case, seed={self.seed})\n"
-            f"print(run_case(load({impl_spec!r}), case, seed={self.seed}).detail)\n")
+            f"q, k, v, options = make_inputs(case, seed={self.seed})  # the inputs, NumPy\n"
+            + impl + f"print(run_case(impl, case, seed={self.seed}).detail)\n")
 
     def to_dict(self):
         return dict(case=self.case.to_dict(), seed=self.seed, verdict=self.verdict,
@@ -45,32 +57,70 @@ class Report:
     cases: list = field(default_factory=list)
     impl_spec: str = ""
     costs: str = None  # the implementation's line on costs outside the calls (compiles)
+    coverage: dict = field(default_factory=dict)  # claimed capability -> cases exercising it
+    battery_hash: str = ""
 
     @property
     def failures(self):
         return [c for c in self.cases if c.verdict == "fail"]
 
     @property
+    def unexercised(self):
+        """Claimed capabilities no case exercised: a bug of verify's battery."""
+        return sorted(cap for cap, names in self.coverage.items() if not names)
+
+    @property
     def passed(self):
-        """True when no case failed and at least one case was run."""
+        """True when no case failed and at least one case passed. (Skipped cases, for want of
+        memory or after a hang, are listed; a hang is itself a failure.)"""
         return not self.failures and any(c.verdict == "pass" for c in self.cases)
 
     def counts(self):
         return {v: sum(c.verdict == v for c in self.cases) for v in VERDICTS}
 
     def to_dict(self):
-        return dict(implementation=self.implementation, suite=self.suite, seed=self.seed,
+        return dict(implementation=self.implementation, impl_spec=self.impl_spec,
+                    suite=self.suite, seed=self.seed, battery_hash=self.battery_hash,
                     environment=self.environment, verdict="pass" if self.passed else "fail",
                     counts=self.counts(), costs=self.costs,
-                    cases=[c.to_dict() for c in self.cases])
+                    failure_map=[f.to_dict() for f in failure_map(self.cases)],
+                    fully_masked_rows=conventions(self.cases), coverage=self.coverage,
+                    unexercised=self.unexercised, cases=[c.to_dict() for c in self.cases])
 
     def save(self, path):
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=1, default=str)
 
+    def summary_lines(self):
+        """The failure map, the fully-masked-row conventions and the coverage: read first."""
+        lines = []
+        findings = failure_map(self.cases)
+        ran = sum(c.verdict in ("pass", "fail") for c in self.cases)
+        if self.failures:
+            lines.append(f"failure map ({len(self.failures)} of {ran} cases failed):")
+            if len(self.failures) == ran:
+                lines.append("  every case that ran fails")
+            elif findings:
+                lines += [f"  {f.sentence(len(self.failures))}" for f in findings]
+            else:
+                lines.append("  no trait is shared by the failures (see each case below)")
+        seen = conventions(self.cases)
+        if seen:
+            lines.append("fully masked rows give: " + ", ".join(
+                f"{name} ({n} cases)" for name, n in sorted(seen.items())))
+        covered = {cap: len(names) for cap, names in self.coverage.items() if names}
+        if covered:
+            lines.append("claimed and exercised (cases): " + ", ".join(
+                f"{cap} ({n})" for cap, n in covered.items()))
+        if self.unexercised:
+            lines.append("VERIFY BUG: claimed but exercised by no case: "
+                         + ", ".join(self.unexercised))
+        return lines
+
     def __str__(self):
-        lines = [f"{'case':44s} {'verdict':12s} {'max abs err':>11s} {'err/bound':>9s} "
-                 f"{'seconds':>7s}"]
+        lines = self.summary_lines() + [
+            f"{'case':44s} {'verdict':12s} {'max abs err':>11s} {'err/bound':>9s} "
+            f"{'seconds':>7s}"]
         for r in self.cases:
             err = max((c.max_abs_error for c in r.comparisons), default=float("nan"))
             lines.append(f"{r.case.name[:44]:44s} {r.verdict:12s} {err:11.2e} "
@@ -78,8 +128,9 @@ class Report:
         c = self.counts()
         lines.append(f"{self.implementation.get('name')} ({self.implementation.get('version')})"
                      f" on {self.environment.get('device')}: {c['pass']} passed, "
-                     f"{c['fail']} failed, {c['not claimed']} not claimed -> "
-                     f"{'PASS' if self.passed else 'FAIL'}")
+                     f"{c['fail']} failed, {c['not claimed']} not claimed"
+                     + (f", {c['skipped']} skipped" if c["skipped"] else "")
+                     + f" -> {'PASS' if self.passed else 'FAIL'}")
         if self.costs:
             lines.append(self.costs)
         for r in self.failures:
@@ -88,9 +139,22 @@ class Report:
         return "\n".join(lines)
 
 
+def battery_hash(cases):
+    """sha256 of the cases' fields: two certificates with one hash ran the same battery."""
+    text = json.dumps([c.to_dict() for c in cases], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def environment(impl):
-    """Where the run happened: host, device and driver where they can be read."""
-    env = dict(python=platform.python_version(), machine=platform.machine(), device="cpu")
+    """Where and when the run happened: time, host, project and library versions, device and
+    driver where they can be read."""
+    env = dict(timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), python=platform.python_version(), machine=platform.machine(),
+        device="cpu", project=_project_version(), commit=_commit())
+    for module in ("numpy", "numba", "numba_cuda", "torch", "cupy", "jax"):
+        version = _loaded_version(module)
+        if version:
+            env[module] = version
     if impl.device == "cuda":
         try:
             import torch
@@ -99,14 +163,48 @@ def environment(impl):
             env["cuda"] = torch.version.cuda
         except Exception:  # noqa: BLE001 - the report must not fail for want of torch
             env["device"] = "cuda"
-        try:
-            import subprocess
-
-            env["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
+        env["driver"] = _run(["nvidia-smi", "--query-gpu=driver_version",
+                              "--format=csv,noheader"])
     elif impl.version.endswith("(CUDA simulator)"):
         env["device"] = "cpu (CUDA simulator)"
     return env
+
+
+def _loaded_version(module):
+    """The version of a module that is importable (numpy is always; the others only if the
+    implementation or this run already imported them, so that a report imports nothing)."""
+    import sys
+
+    if module != "numpy" and module not in sys.modules:
+        return ""
+    try:
+        return __import__(module).__version__
+    except (ImportError, AttributeError):
+        return ""
+
+
+def _project_version():
+    from importlib import metadata
+
+    try:
+        return metadata.version("flash-conformance")
+    except metadata.PackageNotFoundError:
+        return ""
+
+
+def _commit():
+    """The git commit of this checkout (with "+dirty" if it has changes), or ""."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.exists(os.path.join(root, ".git")):
+        return ""
+    commit = _run(["git", "-C", root, "rev-parse", "HEAD"])
+    dirty = _run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"])
+    return commit + ("+dirty" if dirty else "")
+
+
+def _run(command):
+    try:
+        return subprocess.run(command, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""

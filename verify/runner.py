@@ -1,6 +1,7 @@
 """Running one case against one implementation, defensively: verify never crashes on a bad
 kernel. Everything the kernel does wrong (raising, hanging, a wrong type, shape, dtype or
-device, writing its inputs, nondeterminism, wrong values) becomes a failed CaseResult.
+device, writing its inputs, aliasing them, caching, nondeterminism, wrong values) becomes a
+failed CaseResult. The call checks (cases.CHECKS) live in checks.py.
 """
 import threading
 import time
@@ -9,43 +10,120 @@ import traceback
 import numpy as np
 
 from reference.contract import check_attention_args, dense_visible
+from .cases import make_inputs, sample_rows
 from .criterion import judge
 from .report import CaseResult
+
+
+class Fail(Exception):
+    """What the kernel did wrong, as the case's detail."""
 
 
 def run_case(impl, case, seed):
     claimed, missing = impl.supports.claims(case)
     if not claimed:
         return CaseResult(case, seed, "not claimed", f"needs {missing}")
-    q, k, v, options = (inputs := _inputs(case, seed))
-    args, kwargs = _to_impl(impl, case, q, k, v, options)
-    before = [_bits(x) for x in args]
+    from .checks import CHECK_RUNNERS, applicable
+
+    why_not = applicable(impl, case)
+    if why_not:
+        return CaseResult(case, seed, "not claimed", why_not)
+    short = memory_shortfall(impl, case) if case.sampled else None
+    if short:
+        return CaseResult(case, seed, "skipped", short)
+    inputs = make_inputs(case, seed)
     t0 = time.perf_counter()
     try:
-        result = _call(impl, args, kwargs)
-        out, lse = _unpack(impl, case, result)
-        if case.repeat:
-            out2, lse2 = _unpack(impl, case, _call(impl, args, kwargs))
-    except _Fail as e:
+        run = CHECK_RUNNERS[case.check] if case.check else call_and_check
+        inputs, out, lse, notes = run(impl, case, seed, inputs)
+    except Fail as e:
+        if case.sampled and "out of memory" in str(e).lower():
+            return CaseResult(case, seed, "skipped", f"not run to the end: {e}")
         return CaseResult(case, seed, "fail", str(e), seconds=time.perf_counter() - t0)
-    seconds = time.perf_counter() - t0
-    notes = []
-    if not all(np.array_equal(b, _bits(x)) for b, x in zip(before, args)):
-        return CaseResult(case, seed, "fail", "the call wrote into its inputs", seconds=seconds)
-    if case.repeat and not (np.array_equal(_bits(out), _bits(out2))
-                            and (lse is None or np.array_equal(_bits(lse), _bits(lse2)))):
-        return CaseResult(case, seed, "fail", "two runs on the same inputs differ",
-                          seconds=seconds)
-    empty = _empty_rows(q, k, v, options)
-    convention = _convention(out, v, empty, options)
+    return judge_result(impl, case, seed, inputs, out, lse, notes, time.perf_counter() - t0)
+
+
+def memory_shortfall(impl, case):
+    """None, or why a scale-suite case cannot run here: the memory its inputs and output
+    need (host, and device for a CUDA implementation) against what is free."""
+    from .cases import _cast
+
+    item = _cast(np.zeros(1), case.dtype).itemsize
+    elements = case.B * (case.Hq * case.Nq * (case.D + case.Dv)
+                         + case.Hk * case.Nk * (case.D + case.Dv))
+    scores = case.Nq * case.Nk * (case.B * case.Hq if case.mask_shape == "head" else 1)
+    extra = scores * ((1 if case.mask else 0) + (item if case.bias else 0))
+    need = {"host": elements * (2 * item + 4) + 2 * extra,
+            "device": elements * item + extra * 4}  # a bias may be widened to float32
+    have = {"host": _host_free(), "device": _device_free(impl)}
+    for where, n in need.items():
+        if have[where] is not None and n > have[where]:
+            return (f"not run: needs about {n / 2**30:.1f} GiB of {where} memory, "
+                    f"{have[where] / 2**30:.1f} GiB free")
+    return None
+
+
+def _host_free():
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _device_free(impl):
+    if impl.device != "cuda":
+        return None
+    try:
+        import torch
+
+        return torch.cuda.mem_get_info()[0]
+    except Exception:  # noqa: BLE001 - no torch, or no CUDA: not known
+        return None
+
+
+def call_and_check(impl, case, seed, inputs):
+    """One call (two with case.repeat) on inputs converted for impl, with the checks that
+    hold for every call: inputs unchanged, output not aliasing an input, determinism."""
+    args, kwargs = to_impl(impl, case, inputs)
+    if case.sampled:  # billions of elements: values only, on the sampled rows
+        result = call(impl, args, kwargs)
+        return (inputs, *unpack(impl, case, result, args, rows=sample_rows(case)), [])
+    before = [bits(x) for x in args]
+    result = call(impl, args, kwargs)
+    out, lse = unpack(impl, case, result, args)
+    if not all(np.array_equal(b, bits(x)) for b, x in zip(before, args)):
+        raise Fail("the call wrote into its inputs")
+    if case.repeat:
+        out2, lse2 = unpack(impl, case, call(impl, args, kwargs), args)
+        if not (np.array_equal(bits(out), bits(out2))
+                and (lse is None or np.array_equal(bits(lse), bits(lse2)))):
+            raise Fail("two runs on the same inputs differ")
+    return inputs, out, lse, []
+
+
+def judge_result(impl, case, seed, inputs, out, lse, notes, seconds):
+    """The values against the float64 truth, after naming what fully masked rows give."""
+    q, k, v, options = inputs
+    if case.sampled:
+        comparisons = judge(q, k, v, out, lse, dtype=case.dtype, rows=sample_rows(case),
+                            **options)
+        return _verdict(case, seed, comparisons, notes, seconds)
+    empty = empty_rows(q, k, v, options)
     if empty.any():
-        notes.append(f"fully masked rows give {convention}")
+        convention = fully_masked_convention(out, q, k, v, empty, options)
+        notes = notes + [f"fully masked rows give {convention}"]
         if convention != "zeros" and convention == impl.supports.fully_masked:
             out = np.where(empty[..., None], 0.0, out)  # the declared convention: judge the rest
             if lse is not None:
                 lse = np.where(empty, -np.inf, lse)
     *truth_qkv, truth_options = _for_truth(q, k, v, options)
     comparisons = judge(*truth_qkv, out, lse, dtype=case.dtype, **truth_options)
+    return _verdict(case, seed, comparisons, notes, seconds)
+
+
+def _verdict(case, seed, comparisons, notes, seconds):
     failed = [c for c in comparisons if not c.passed]
     detail = "\n".join([c.message() for c in failed] + notes)
     return CaseResult(case, seed, "fail" if failed else "pass", detail, comparisons, seconds)
@@ -62,25 +140,19 @@ def _for_truth(q, k, v, options):
         import cupy
     except ImportError:
         return q, k, v, options
-    wide = [x.astype(np.float32) if str(x.dtype) == "bfloat16" else x for x in (q, k, v)]
-    on_gpu = {n: cupy.asarray(a) if n == "mask" else a for n, a in options.items()}
-    return (*(cupy.asarray(x) for x in wide), on_gpu)
+
+    def wide(x):
+        return x.astype(np.float32) if str(x.dtype) == "bfloat16" else x
+
+    on_gpu = {n: cupy.asarray(wide(a)) if n in ("mask", "bias") else a
+              for n, a in options.items()}
+    return (*(cupy.asarray(wide(x)) for x in (q, k, v)), on_gpu)
 
 
-class _Fail(Exception):
-    pass
-
-
-def _inputs(case, seed):
-    from .cases import make_inputs
-
-    return make_inputs(case, seed)
-
-
-def _to_impl(impl, case, q, k, v, options):
-    """The inputs in the implementation's array type, device and layout."""
-    convert = {"numpy": lambda: (lambda x: x), "torch": lambda: _to_torch(impl.device),
-               "cupy": lambda: _to_cupy, "jax": lambda: _to_jax}[impl.array]()
+def to_impl(impl, case, inputs):
+    """(args, kwargs): the inputs in the implementation's array type, device and layout."""
+    q, k, v, options = inputs
+    convert = converter(impl)
     args = []
     for x in (q, k, v):
         if impl.layout == "bnhd":
@@ -91,7 +163,15 @@ def _to_impl(impl, case, q, k, v, options):
             args.append(convert(np.ascontiguousarray(x)))
     kwargs = {name: convert(val) if isinstance(val, np.ndarray) else val
               for name, val in options.items()}
+    if impl.supports.lse:
+        kwargs["return_lse"] = True
     return args, kwargs
+
+
+def converter(impl):
+    """A function taking a NumPy array to the implementation's array type and device."""
+    return {"numpy": lambda: (lambda x: x), "torch": lambda: _to_torch(impl.device),
+            "cupy": lambda: _to_cupy, "jax": lambda: _to_jax}[impl.array]()
 
 
 def _swap(x):
@@ -122,7 +202,7 @@ def _to_jax(x):
     return jnp.asarray(x)
 
 
-def _call(impl, args, kwargs):
+def call(impl, args, kwargs):
     """impl.fn(*args, **kwargs) in a thread, so that a hang becomes a failure."""
     box = {}
 
@@ -138,11 +218,14 @@ def _call(impl, args, kwargs):
     thread.start()
     thread.join(impl.timeout_s)
     if thread.is_alive():
-        raise _Fail(f"no result after {impl.timeout_s:.0f} s (hang?); the call was abandoned")
+        raise Fail(f"{HUNG} {impl.timeout_s:g} s (hang?); the call was abandoned")
     if "error" in box:
         e = box["error"]
-        raise _Fail(f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise Fail(f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
     return box["result"]
+
+
+HUNG = "no result after"
 
 
 def _synchronize(impl):
@@ -152,7 +235,7 @@ def _synchronize(impl):
         torch.cuda.synchronize()
 
 
-def _host(x):
+def host(x):
     """Any array type to NumPy (bfloat16 as float32)."""
     if hasattr(x, "detach"):  # torch
         x = x.detach()
@@ -164,63 +247,132 @@ def _host(x):
     return x.astype(np.float32) if str(x.dtype) == "bfloat16" else x
 
 
-def _unpack(impl, case, result):
-    """(out, lse) as NumPy in the contract's layout, after checking type, shape and dtype."""
-    if isinstance(result, tuple):
-        if len(result) != 2:
-            raise _Fail(f"returned a tuple of {len(result)} items; expected out or (out, lse)")
+def unpack(impl, case, result, args=(), rows=None):
+    """(out, lse) as NumPy in the contract's layout, after checking type, shape, dtype and
+    that out is a fresh array (not a view of one of args). rows: bring only these query rows
+    to the host."""
+    if impl.supports.lse:
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise Fail("claims lse, but called with return_lse=True it returned "
+                       f"{_describe(result)}; expected (out, lse)")
         out, lse = result
+    elif isinstance(result, tuple):
+        raise Fail(f"returned a tuple of {len(result)} items; expected out (lse is not "
+                   f"claimed)")
     else:
         out, lse = result, None
-    want_type = {"numpy": "numpy", "torch": "torch", "cupy": "cupy", "jax": "jax"}[impl.array]
-    if type(out).__module__.split(".")[0] != want_type and not (
-            want_type == "jax" and type(out).__module__.startswith("jaxlib")):
-        raise _Fail(f"returned {type(out).__module__}.{type(out).__name__}; expected a "
-                    f"{impl.array} array like its inputs")
-    got_dtype = str(out.dtype).replace("torch.", "")
-    if got_dtype != case.dtype:
-        raise _Fail(f"out has dtype {got_dtype}; expected {case.dtype}, the inputs' dtype")
-    if impl.array == "torch" and out.device.type != impl.device:
-        raise _Fail(f"out is on {out.device}; expected {impl.device}, the inputs' device")
-    shape = (case.B, case.Hq, case.Nq, case.Dv)
-    want = shape if impl.layout == "bhnd" else (case.B, case.Nq, case.Hq, case.Dv)
-    if tuple(out.shape) != want:
-        raise _Fail(f"out has shape {tuple(out.shape)}; expected {want}")
-    out = _host(out).astype(np.float64)
+    _check_array(impl, case, out)
+    if any(overlaps(out, x) for x in args):
+        raise Fail("out shares memory with an input: the output aliases q, k or v")
+    if rows is not None:
+        out = take_rows(out, rows, 2 if impl.layout == "bhnd" else 1)
+        lse = None if lse is None else take_rows(lse, rows, 2)
+    out = host(out).astype(np.float64)
     if impl.layout == "bnhd":
         out = out.transpose(0, 2, 1, 3)
     if lse is not None:
-        lse = _host(lse).astype(np.float64)
-        if lse.shape != shape[:3]:
-            raise _Fail(f"lse has shape {lse.shape}; expected {shape[:3]} (B, Hq, Nq)")
-    if not impl.supports.lse:
-        lse = None
+        lse = host(lse).astype(np.float64)
+        n = case.Nq if rows is None else len(rows)
+        if lse.shape != (case.B, case.Hq, n):
+            raise Fail(f"lse has shape {lse.shape}; expected {(case.B, case.Hq, n)} "
+                       f"(B, Hq, Nq)")
     return out, lse
 
 
-def _bits(x):
+def take_rows(x, rows, axis):
+    """x's entries at `rows` along `axis`, on x's own device and in its array type."""
+    if hasattr(x, "index_select"):  # torch
+        import torch
+
+        return x.index_select(axis, torch.as_tensor(rows, device=x.device))
+    if type(x).__module__.startswith(("jax", "jaxlib")):
+        import jax.numpy as jnp
+
+        return jnp.take(x, jnp.asarray(rows), axis=axis)
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return x.take(cupy.asarray(rows), axis=axis)
+    return np.take(x, rows, axis=axis)
+
+
+def _describe(result):
+    if isinstance(result, tuple):
+        return f"a tuple of {len(result)} items"
+    return f"{type(result).__module__}.{type(result).__name__}"
+
+
+def _check_array(impl, case, out):
+    want_type = impl.array
+    module = type(out).__module__
+    if module.split(".")[0] != want_type and not (want_type == "jax"
+                                                  and module.startswith("jaxlib")):
+        raise Fail(f"returned {module}.{type(out).__name__}; expected a {impl.array} array "
+                   f"like its inputs")
+    got_dtype = str(out.dtype).replace("torch.", "")
+    if got_dtype != case.dtype:
+        raise Fail(f"out has dtype {got_dtype}; expected {case.dtype}, the inputs' dtype")
+    if impl.array == "torch" and out.device.type != impl.device:
+        raise Fail(f"out is on {out.device}; expected {impl.device}, the inputs' device")
+    shape = (case.B, case.Hq, case.Nq, case.Dv)
+    want = shape if impl.layout == "bhnd" else (case.B, case.Nq, case.Hq, case.Dv)
+    if tuple(out.shape) != want:
+        raise Fail(f"out has shape {tuple(out.shape)}; expected {want}")
+
+
+def span(x):
+    """(first byte, one past the last byte) of an array's memory, or None if unknown."""
+    if hasattr(x, "data_ptr"):  # torch
+        ptr, strides, size = x.data_ptr(), x.stride(), x.element_size()
+        shape = x.shape
+    else:
+        face = getattr(x, "__cuda_array_interface__", None) or getattr(
+            x, "__array_interface__", None)
+        if face is None or not hasattr(x, "strides"):
+            return None
+        ptr, strides, shape = face["data"][0], x.strides, x.shape
+        size = x.dtype.itemsize
+        strides = [s // size for s in strides]
+    if any(n == 0 for n in shape):
+        return None
+    lo = ptr + size * sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    hi = ptr + size * (1 + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0))
+    return lo, hi
+
+
+def overlaps(a, b):
+    sa, sb = span(a), span(b)
+    same_space = (hasattr(a, "__cuda_array_interface__") or getattr(a, "is_cuda", False)) == (
+        hasattr(b, "__cuda_array_interface__") or getattr(b, "is_cuda", False))
+    return bool(sa and sb and same_space and sa[0] < sb[1] and sb[0] < sa[1])
+
+
+def bits(x):
     """A byte-exact host copy of an array of any type (for immutability and determinism)."""
     if hasattr(x, "detach"):  # torch: through int16/int32 views, which NumPy can hold
+        import torch
+
         t = x.detach().contiguous()
-        t = t.view({2: __import__("torch").int16, 4: __import__("torch").int32}.get(
-            t.element_size(), t.dtype))
+        t = t.view({2: torch.int16, 4: torch.int32}.get(t.element_size(), t.dtype))
         return t.cpu().numpy().copy()
     h = x.get() if hasattr(x, "get") else np.asarray(x)
     h = np.ascontiguousarray(h)
     return h.view(np.uint8).copy() if h.size else h.copy()
 
 
-def _empty_rows(q, k, v, options):
-    """(B, Hq, Nq) True where a row sees no key."""
+
+def empty_rows(q, k, v, options):
+    """(B, Hq, Nq) True where a row sees no key (mask, bias -inf, causal, window, lengths)."""
     pb = check_attention_args(q, k, v, **options)
     keep = dense_visible(pb, options.get("mask"), options.get("kv_lengths"))
+    if options.get("bias") is not None:
+        keep = keep & (np.asarray(options["bias"]) != -np.inf)
     return np.broadcast_to(~keep.any(axis=-1), (pb.batch, pb.heads_q, pb.n_q))
 
 
-def _convention(out, v, empty, options):
-    """What a kernel gives for rows that see no key: zeros, nan, mean (of V), or other."""
-    if not empty.any():
-        return "zeros"
+def fully_masked_convention(out, q, k, v, empty, options):
+    """What a kernel gives for rows that see no key: zeros (the contract), nan, mean (of V),
+    unmasked (the row as if nothing were masked), or other."""
     rows = out[empty]
     if np.isnan(rows).all():
         return "nan"
@@ -228,7 +380,12 @@ def _convention(out, v, empty, options):
         return "zeros"
     group = out.shape[1] // v.shape[1]
     mean = np.repeat(v.astype(np.float64).mean(axis=2), group, axis=1)  # (B, Hq, Dv)
-    expected = np.broadcast_to(mean[:, :, None], out.shape)[empty]
-    if np.allclose(rows, expected, rtol=1e-2, atol=1e-2):
+    if np.allclose(rows, np.broadcast_to(mean[:, :, None], out.shape)[empty], rtol=1e-2,
+                   atol=1e-2):
         return "mean"
+    import reference
+
+    unmasked = reference.attention(q, k, v, scale=options.get("scale"))
+    if np.allclose(rows, unmasked[empty], rtol=1e-2, atol=1e-2):
+        return "unmasked"
     return "other"

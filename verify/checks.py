@@ -1,0 +1,171 @@
+"""The call checks (cases.CHECKS): properties of a call that one call cannot show, run at the
+kernel's minimal claim. Each runner takes (impl, case, seed, inputs) and returns (inputs the
+result is judged against, out, lse, notes) like runner.call_and_check, or raises runner.Fail.
+
+    fresh-inputs   a cache keyed on pointers, shapes or values returns a stale answer
+    batch-alone    a result that depends on the rest of the batch (bitwise, when claimed)
+    stream         work launched on another stream than the caller's current one
+    out-buffer     writes outside the caller's out= view
+"""
+import numpy as np
+
+from .cases import make_inputs
+from .runner import Fail, bits, call, call_and_check, converter, to_impl, unpack
+
+FRESH_SEED = 1_000_003  # the second inputs of fresh-inputs: seed + this
+SENTINEL = 12345.0  # what out-buffer's guard bytes hold
+SLEEP_CYCLES = 200_000_000  # the stream check's delay on the caller's stream (~0.1 s)
+
+
+def applicable(impl, case):
+    """None, or why a check cannot run for this implementation (reported "not claimed")."""
+    if case.check == "stream" and not (impl.device == "cuda"
+                                       and impl.array in ("torch", "cupy")):
+        return "needs an implementation on CUDA torch tensors or CuPy arrays"
+    return None
+
+
+def fresh_inputs(impl, case, seed, inputs):
+    """Call, then write other values into the same buffers (same pointers, shapes, strides)
+    and call again: the second answer is judged against the second inputs."""
+    args, kwargs = to_impl(impl, case, inputs)
+    unpack(impl, case, call(impl, args, kwargs), args)
+    fresh = make_inputs(case, seed + FRESH_SEED)
+    new_args, _ = to_impl(impl, case, fresh)
+    for old, new in zip(args, new_args):
+        _overwrite(old, new)
+    if impl.array == "jax":  # immutable arrays: new buffers, same shapes and values differ
+        args = new_args
+    out, lse = unpack(impl, case, call(impl, args, kwargs), args)
+    return fresh, out, lse, []
+
+
+def _overwrite(dst, src):
+    if hasattr(dst, "copy_"):  # torch
+        dst.copy_(src)
+    elif hasattr(dst, "__setitem__") and not type(dst).__module__.startswith("jax"):
+        dst[...] = src
+
+
+def batch_alone(impl, case, seed, inputs):
+    """The batched call, then each (batch, head) alone: bitwise the same where the
+    implementation claims batch invariance, else each alone judged against the truth."""
+    inputs, out, lse, notes = call_and_check(impl, case, seed, inputs)
+    q, k, v, options = inputs
+    group = case.Hq // case.Hk
+    differ = []
+    for b in range(case.B):
+        for h in range(case.Hq):
+            hk = h // group
+            one = (q[b:b + 1, h:h + 1], k[b:b + 1, hk:hk + 1], v[b:b + 1, hk:hk + 1], options)
+            alone = type(case)(**dict(case.to_dict(), B=1, Hq=1, Hk=1, check=None))
+            _, out1, lse1, _ = call_and_check(impl, alone, seed, one)
+            same = np.array_equal(out1[0, 0], out[b, h]) and (
+                lse is None or np.array_equal(lse1[0, 0], lse[b, h]))
+            if not same:
+                differ.append((b, h, float(np.abs(out1[0, 0] - out[b, h]).max())))
+                if not impl.supports.batch_invariant:
+                    _judge_alone(impl, alone, seed, one, out1, lse1, (b, h))
+    if differ and impl.supports.batch_invariant:
+        b, h, err = differ[0]
+        raise Fail(f"batch element {b}, head {h} computed alone differs from the batched "
+                   f"result by up to {err:.3g} ({len(differ)} of {case.B * case.Hq} (batch, "
+                   f"head) pairs differ; batch invariance is claimed)")
+    if differ:
+        notes.append(f"{len(differ)} of {case.B * case.Hq} (batch, head) pairs alone differ "
+                     f"from the batched result in their last bits (not claimed bitwise); each "
+                     f"alone passes")
+    return inputs, out, lse, notes
+
+
+def _judge_alone(impl, case, seed, inputs, out, lse, where):
+    from .runner import judge_result
+
+    result = judge_result(impl, case, seed, inputs, out, lse, [], 0.0)
+    if result.verdict != "pass":
+        raise Fail(f"(batch, head) {where} computed alone is wrong:\n{result.detail}")
+
+
+def stream(impl, case, seed, inputs):
+    """On a fresh non-default stream, the inputs are written only after a delay queued on
+    that stream, then the kernel is called with that stream current, and its output is read
+    on that stream. Work launched elsewhere reads the inputs before they are written."""
+    if impl.array == "torch":
+        return _stream_torch(impl, case, inputs)
+    return _stream_cupy(impl, case, inputs)
+
+
+def _stream_torch(impl, case, inputs):
+    import torch
+
+    ready, kwargs = to_impl(impl, case, inputs)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        args = [torch.full_like(x, float("nan")) for x in ready]
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for a, x in zip(args, ready):
+            a.copy_(x)
+        result = impl.fn(*args, **kwargs)
+        result = tuple(r.clone() for r in result) if isinstance(result, tuple) else \
+            result.clone()
+    side.synchronize()
+    out, lse = unpack(impl, case, result, args)
+    return inputs, out, lse, []
+
+
+def _stream_cupy(impl, case, inputs):
+    import cupy
+
+    spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long n) {
+        long long t = clock64(); while (clock64() - t < n) {} }''', "spin")
+    ready, kwargs = to_impl(impl, case, inputs)
+    cupy.cuda.Device().synchronize()
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        args = [cupy.full_like(x, np.nan) for x in ready]
+        spin((1,), (1,), (np.int64(SLEEP_CYCLES),))
+        for a, x in zip(args, ready):
+            a[...] = x
+        result = impl.fn(*args, **kwargs)
+        result = tuple(r.copy() for r in result) if isinstance(result, tuple) else \
+            result.copy()
+    side.synchronize()
+    out, lse = unpack(impl, case, result, args)
+    return inputs, out, lse, []
+
+
+def out_buffer(impl, case, seed, inputs):
+    """out= is a view into a larger buffer of SENTINEL values (one guard row before and after
+    each (batch, head), and guard columns): the guard bytes must stay as they were."""
+    args, kwargs = to_impl(impl, case, inputs)
+    shape = (case.B, case.Hq, case.Nq, case.Dv)
+    if impl.layout == "bnhd":
+        shape = (case.B, case.Nq, case.Hq, case.Dv)
+    padded = shape[:2] + (shape[2] + 2, shape[3] + 3)
+    guard = np.full(padded, SENTINEL, np.float32)
+    buffer = converter(impl)(_bf16(guard) if case.dtype == "bfloat16" else
+                             guard.astype(case.dtype))
+    view = buffer[:, :, 1:-1, 1:-2]
+    before = bits(buffer)
+    result = call(impl, args, dict(kwargs, out=view))
+    # What is judged is what the caller's view holds, whatever the call returned.
+    out, lse = unpack(impl, case, (view, result[1]) if isinstance(result, tuple) else view)
+    changed = (before != bits(buffer)).reshape(padded + (-1,)).any(-1)
+    outside = np.ones(padded, bool)
+    outside[:, :, 1:-1, 1:-2] = False
+    if (changed & outside).any():
+        where = tuple(int(i) for i in np.argwhere(changed & outside)[0])
+        raise Fail(f"wrote outside its out= view: {int((changed & outside).sum())} guard "
+                   f"elements changed, the first at {where} of the padded buffer {padded}")
+    return inputs, out, lse, []
+
+
+def _bf16(x):
+    import ml_dtypes
+
+    return x.astype(ml_dtypes.bfloat16)
+
+
+CHECK_RUNNERS = {"fresh-inputs": fresh_inputs, "batch-alone": batch_alone, "stream": stream,
+                 "out-buffer": out_buffer}
