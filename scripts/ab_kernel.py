@@ -3,49 +3,67 @@
     git show REV:numba_kernels/flash_fwd.py > numba_kernels/_ab_old_flash_fwd.py
     python scripts/ab_kernel.py
 
-Medians of CUDA events (attention_speed.time_ms), alternating old and new three times.
+Both kernels are launched directly (Numba's own launch, the same host path for both), with
+their own argument lists: the old one is the 22-argument kernel without a bias, the new one
+takes the bias and its four steps as well. Medians of CUDA events over the kernel alone,
+alternating old and new three times. Unmasked calls, no split-KV: the variants the
+benchmarks time.
 """
 import dataclasses
 import os
 import sys
 
+import numpy as np
 import torch
 from numba import cuda
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.attention_speed import DTYPES, time_ms  # noqa: E402
 from numba_kernels import _ab_old_flash_fwd as old  # noqa: E402
-from numba_kernels import api, choose_spec, flash_attention  # noqa: E402
-from numba_kernels.flash_fwd import FASTMATH  # noqa: E402
-from numba_kernels.specs import build_kernel  # noqa: E402
+from numba_kernels import choose_spec  # noqa: E402
+from numba_kernels.flash_fwd import FASTMATH, LOG2E  # noqa: E402
+from numba_kernels.specs import build_kernel, launch_grid  # noqa: E402
 
-SHAPES = [(2, 16, 4096, 128, "float32", False), (4, 16, 4096, 64, "float16", False),
-          (2, 16, 4096, 128, "float16", False), (2, 16, 4096, 128, "bfloat16", False),
-          (2, 16, 4096, 128, "float32", "bottom_right"), (2, 16, 8192, 128, "float32", False)]
-# Fields of the old KernelSpec that the new one lacks, per (width, dtype, has_mask): what the
-# old specs.py chose for them (v11: load_batch, 16 for float16 at width 128, else 8).
-OLD_FIELDS = {(128, "float16", False): {"load_batch": 16}}
+SHAPES = [(2, 16, 8192, 128, "float32", False), (4, 16, 4096, 64, "float32", False),
+          (2, 16, 8192, 128, "float16", False), (4, 16, 4096, 64, "float16", False),
+          (2, 16, 4096, 128, "bfloat16", False), (2, 16, 4096, 128, "float32", True)]
 
 
 def old_spec(spec):
-    """The old module's KernelSpec for the variant `spec` selects: the fields both have are
-    copied; one only the old has takes OLD_FIELDS's value, else its default."""
+    """The old module's KernelSpec for the variant `spec`: the fields both have."""
     names = {f.name for f in dataclasses.fields(old.KernelSpec)}
-    fields = {n: getattr(spec, n) for n in names if hasattr(spec, n)}
-    fields.update((n, x) for n, x in OLD_FIELDS.get((spec.d, spec.dtype, spec.has_mask), {})
-                  .items() if n in names and not hasattr(spec, n))
-    return old.KernelSpec(**fields)
+    return old.KernelSpec(**{n: getattr(spec, n) for n in names if hasattr(spec, n)})
+
+
+def launcher(kernel, spec, q, k, v, causal, with_bias):
+    """A no-argument function launching `kernel` once on (q, k, v)."""
+    B, H, N, D = q.shape
+    blocks, threads, n_tiles = launch_grid(N, B, H, spec)
+    dev = cuda.as_cuda_array
+    wide = (lambda x: x.view(torch.int16)) if q.dtype == torch.bfloat16 else (lambda x: x)
+    out = torch.empty_like(q)
+    lse = torch.empty(B, H, N, device="cuda")
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.uint8, device="cuda")
+    bias = torch.zeros(1, 1, 1, 1, device="cuda")
+    lengths = torch.full((B,), N, dtype=torch.int32, device="cuda")
+    head = [dev(wide(q)), dev(wide(k)), dev(wide(v)), dev(mask)]
+    tail = [dev(lengths), dev(wide(out)), dev(lse), N, D, D, 1, H, n_tiles, N,
+            np.float32(D ** -0.5 * LOG2E), -1, 0 if causal else -1, int(causal), 0, 0, 0, 0]
+    args = head + ([dev(bias)] if with_bias else []) + tail + ([0, 0, 0, 0] if with_bias else [])
+    stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+    return lambda: kernel[blocks, threads, stream](*args)
 
 
 print(f"{'shape':44s} {'old ms':>8s} {'new ms':>8s} {'new/old':>7s}")
 for B, H, N, D, dtype, causal in SHAPES:
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=DTYPES[dtype]) for _ in range(3))
     spec = choose_spec(D, D, dtype, False)
-    old_kernel = cuda.jit(fastmath=FASTMATH)(old.kernel_source(old_spec(spec)))
+    runs = {"old": launcher(cuda.jit(fastmath=FASTMATH)(old.kernel_source(old_spec(spec))),
+                            spec, q, k, v, causal, False),
+            "new": launcher(build_kernel(spec), spec, q, k, v, causal, True)}
     times = {"old": [], "new": []}
     for _ in range(3):
-        for name in ("old", "new"):
-            api.build_kernel = (lambda s: old_kernel) if name == "old" else build_kernel
-            times[name].append(time_ms(lambda: flash_attention(q, k, v, causal=causal))[0])
+        for name, run in runs.items():
+            times[name].append(time_ms(run)[0])
     o, n = min(times["old"]), min(times["new"])
     print(f"{str((B, H, N, D, dtype, causal)):44s} {o:8.3f} {n:8.3f} {n / o:7.3f}", flush=True)

@@ -1,17 +1,72 @@
 #!/usr/bin/env bash
-# On a GPU machine: the kernel's battery and sanitizers, then verify's standard suite against
-# our kernel, every PyTorch SDPA backend and JAX. Logs and certificates go to $OUT/results.tgz.
+# On a GPU machine: verify's suites against our kernel, every PyTorch SDPA backend and JAX,
+# the kernel's A/B timing against an older version, its battery and sanitizers.
+# STEPS picks the parts (default "ab check verify broken scale"); logs and certificates go
+# to $OUT. The A/B runs alone (timing); the correctness steps run side by side.
 set -u
 OUT=${OUT:-out}
-mkdir -p "$OUT/v"
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 scripts/gpu_check.py --quick --out "$OUT/v" > "$OUT/v/check.log" 2>&1
-echo "gpu_check rc=$?"; tail -3 "$OUT/v/check.log"
-for impl in numba torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn; do
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX would take 75% of the GPU's memory at start
+STEPS=${STEPS:-ab check verify broken findings scale}
+IMPLS=${IMPLS:-numba torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
+SCALE_IMPLS=${SCALE_IMPLS:-numba torch-efficient}
+step() { [[ " $STEPS " == *" $1 "* ]]; }
+summary() {  # the failure map and the verdict line of a verify log
+  grep -E "^(failure map|  |fully masked|VERIFY BUG|.* passed, .* failed)" "$1" | head -8
+}
+if step ab && [[ -f numba_kernels/_ab_old_flash_fwd.py ]]; then
   start=$(date +%s)
-  timeout 200 python3 -W ignore -m verify "$impl" --suite standard \
-    --json "$OUT/v/verify-$impl.json" > "$OUT/v/verify-$impl.log" 2>&1
-  rc=$?
-  echo "verify $impl: rc=$rc $(( $(date +%s) - start )) s: $(grep -E ' passed, ' "$OUT/v/verify-$impl.log" | tail -1)"
-done
-tar czf "$OUT/results.tgz" -C "$OUT" v && rm -r "$OUT/v"
+  timeout 200 python3 scripts/ab_kernel.py > "$OUT/ab.log" 2>&1
+  echo "ab rc=$? in $(( $(date +%s) - start )) s"; tail -7 "$OUT/ab.log"
+fi
+pids=()
+if step check; then
+  (timeout 420 python3 scripts/gpu_check.py --quick --out "$OUT" > "$OUT/check.log" 2>&1;
+   echo "gpu_check rc=$?" >> "$OUT/check.log") &
+  pids+=($!)
+fi
+if step verify; then
+  for impl in $IMPLS; do
+    (start=$(date +%s)
+     timeout 420 python3 -W ignore -m verify "$impl" --suite standard --timeout 60 \
+       --json "$OUT/verify-$impl.json" > "$OUT/verify-$impl.log" 2>&1
+     echo "rc=$? in $(( $(date +%s) - start )) s" >> "$OUT/verify-$impl.log") &
+    pids+=($!)
+  done
+fi
+if step broken; then
+  (timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_verify.py \
+     -k "default_stream" > "$OUT/broken.log" 2>&1; echo "rc=$?" >> "$OUT/broken.log") &
+  pids+=($!)
+fi
+for p in "${pids[@]}"; do wait "$p"; done
+if step check; then tail -4 "$OUT/check.log"; fi
+if step verify; then
+  for impl in $IMPLS; do
+    echo "== verify $impl (standard): $(tail -1 "$OUT/verify-$impl.log")"
+    summary "$OUT/verify-$impl.log"
+  done
+fi
+if step broken; then echo "== broken default-stream kernel: $(tail -2 "$OUT/broken.log" | head -1)"; fi
+if step findings; then
+  timeout 120 python3 scripts/gpu_findings.py > "$OUT/findings.log" 2>&1
+  echo "== findings rc=$?"; cat "$OUT/findings.log" | grep -v Warning | head -40
+fi
+if step scale; then
+  # SCALE_IMPLS run side by side: at most two or three, the cases fill much of the memory
+  spids=()
+  for impl in $SCALE_IMPLS; do
+    (start=$(date +%s)
+     timeout "${SCALE_TIMEOUT:-420}" python3 -W ignore -m verify "$impl" --suite scale \
+       --timeout 120 --json "$OUT/scale-$impl.json" > "$OUT/scale-$impl.log" 2>&1
+     echo "rc=$? in $(( $(date +%s) - start )) s" >> "$OUT/scale-$impl.log") &
+    spids+=($!)
+  done
+  for p in "${spids[@]}"; do wait "$p"; done
+  for impl in $SCALE_IMPLS; do
+    echo "== scale $impl: $(tail -1 "$OUT/scale-$impl.log")"
+    grep -E "^scale: |passed, " "$OUT/scale-$impl.log" | head -8
+  done
+fi
+tar czf /tmp/results.tgz -C "$OUT" . && mv /tmp/results.tgz "$OUT/" && find "$OUT" -type f ! -name results.tgz -delete

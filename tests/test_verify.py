@@ -131,7 +131,8 @@ def test_default_stream_kernel_is_caught():
 
     impl = verify.Implementation("default-stream", default_stream_kernel(), Supports(
         dtypes=("float32",), causal=(), mask=False, bias=False, kv_lengths=False,
-        window=False, lse=False, scale=("positive",)), array="torch", device="cuda")
+        window=False, gqa=False, lse=False, nonfinite_hidden=False, scale=("positive",),
+        batch_invariant=False), array="torch", device="cuda")
     report = verify.compare(impl, suite="quick", progress=False)
     assert [r.case.name for r in report.failures] == ["call check: stream"], str(report)
 

@@ -1,4 +1,4 @@
-"""python -m verify IMPL [--suite auto|quick|standard|full] [--dtype ...] [--json PATH]
+"""python -m verify IMPL [--suite auto|quick|standard|full|scale] [--dtype ...] [--json PATH]
    python -m verify --replay CERTIFICATE.json [IMPL]
 
 IMPL: a built-in adapter (numba, reference, torch-math, torch-efficient, torch-flash,
@@ -20,8 +20,10 @@ def main(argv=None):
                     help="re-run the failed cases of this JSON certificate")
     ap.add_argument("--timeout", type=float, default=120.0,
                     help="seconds a call may take before it counts as hung (default 120)")
-    ap.add_argument("--suite", default="auto", choices=["auto", "quick", "standard", "full"],
-                    help="auto (default): standard on a GPU, quick in the CUDA simulator")
+    ap.add_argument("--suite", default="auto", choices=["auto", "quick", "standard", "full",
+                                                        "scale"],
+                    help="auto (default): standard on a GPU, quick in the CUDA simulator; "
+                         "scale: 32-bit index limits crossed (a GPU's memory, sampled rows)")
     ap.add_argument("--dtype", action="append", dest="dtypes",
                     choices=["float32", "float16", "bfloat16"],
                     help="limit to this dtype (repeatable); default: all it claims")

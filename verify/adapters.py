@@ -32,6 +32,7 @@ class Supports:
     lse: bool = True  # returns (out, lse) when called with return_lse=True
     nonfinite_hidden: bool = True  # claims that hidden NaN/inf values change nothing
     max_head_dim: int = 256
+    head_dim_multiple: int = 1  # head dims it takes are multiples of this
     scale: tuple = ("positive", "zero", "negative")  # explicit scales it takes
     fully_masked: str = "zeros"  # rows with no visible key: "zeros" (the contract), "nan", "mean"
     batch_invariant: bool = True  # each (batch, head) alone gives bitwise the batched result
@@ -54,6 +55,8 @@ class Supports:
                 return False, f
         if max(case.D, case.Dv) > self.max_head_dim:
             return False, f"head dim > {self.max_head_dim}"
+        if case.D % self.head_dim_multiple or case.Dv % self.head_dim_multiple:
+            return False, f"head dims that are multiples of {self.head_dim_multiple}"
         return True, ""
 
     def capabilities(self):
@@ -166,11 +169,14 @@ def _numba():
                           + ("" if on_gpu else " (CUDA simulator)"), costs=costs)
 
 
-TORCH_BACKENDS = {  # backend: (dtypes, max head dim, masks, gqa, Dv != D)
-    "math": (("float32", "float16", "bfloat16"), 1024, True, True, True),
-    "efficient": (("float32", "float16", "bfloat16"), 256, True, False, True),
-    "flash": (("float16", "bfloat16"), 256, False, True, False),
-    "cudnn": (("float16", "bfloat16"), 128, True, False, False),
+BOTH = ("top_left", "bottom_right")
+TORCH_BACKENDS = {  # backend: (dtypes, max head dim, masks, gqa, Dv != D, causal alignments)
+    "math": (("float32", "float16", "bfloat16"), 1024, True, True, True, BOTH),
+    "efficient": (("float32", "float16", "bfloat16"), 256, True, False, True, BOTH),
+    # flash takes is_causal only when Nq == Nk ("No available kernel" otherwise), where the
+    # two alignments agree: it is claimed as bottom-right (causal_lower_right) alone.
+    "flash": (("float16", "bfloat16"), 256, False, True, False, ("bottom_right",)),
+    "cudnn": (("float16", "bfloat16"), 128, True, False, False, BOTH),
 }
 
 
@@ -182,7 +188,7 @@ def _torch_sdpa(backend):
 
     chosen = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
               "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
-    dtypes, max_d, masks, gqa, dv = TORCH_BACKENDS[backend]
+    dtypes, max_d, masks, gqa, dv, causal = TORCH_BACKENDS[backend]
 
     def fn(q, k, v, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
            window=None):
@@ -206,8 +212,11 @@ def _torch_sdpa(backend):
         f"torch-{backend}", fn,
         # Masks are added as -inf to the scores, and NaN + -inf = NaN: a NaN in a hidden key
         # reaches every row (pytorch/pytorch#101967), so containment is not claimed.
-        Supports(dtypes=dtypes, mask=masks, bias=masks, kv_lengths=masks, window=masks, gqa=gqa,
-                 dv_differs=dv, lse=False, max_head_dim=max_d, nonfinite_hidden=False),
+        # Bitwise batch invariance is not promised: cuBLAS and the fused kernels pick their
+        # algorithms by problem size (measured: math on an H200 differs in the last bits).
+        Supports(dtypes=dtypes, causal=causal, mask=masks, bias=masks, kv_lengths=masks,
+                 window=masks, gqa=gqa, dv_differs=dv, lse=False, max_head_dim=max_d,
+                 nonfinite_hidden=False, batch_invariant=False),
         array="torch", device="cuda" if torch.cuda.is_available() else "cpu",
         version=f"torch {torch.__version__}")
 
@@ -272,6 +281,8 @@ def _jax(implementation):
     # V, and NaN in a hidden key still reaches the softmax (as in PyTorch).
     return Implementation(f"jax-{implementation}", fn,
                           Supports(lse=False, dv_differs=False, nonfinite_hidden=False,
+                                   batch_invariant=False,
+                                   head_dim_multiple=1 if implementation == "xla" else 8,
                                    fully_masked="mean" if implementation == "xla" else "zeros",
                                    dtypes=("float32", "float16", "bfloat16")
                                    if implementation == "xla" else ("float16", "bfloat16")),

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 from dataclasses import dataclass, field
 
@@ -188,8 +189,14 @@ def _project_version():
 
     try:
         return metadata.version("flash-conformance")
-    except metadata.PackageNotFoundError:
-        return ""
+    except metadata.PackageNotFoundError:  # run from a checkout: its pyproject.toml
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        try:
+            with open(os.path.join(root, "pyproject.toml")) as f:
+                found = re.search(r'^version = "([^"]+)"', f.read(), re.M)
+            return found.group(1) if found else ""
+        except OSError:
+            return ""
 
 
 def _commit():
