@@ -99,44 +99,51 @@ def forward(problem, q, k, v, mask, bias, kv_lengths, compute, p_dtype=None, rou
     n_out = Nq if rows is None else len(rows)
     out = xp.zeros((B, Hq, n_out, pb.dv), dtype=compute)
     lse = xp.full((B, Hq, n_out), -xp.inf, dtype=compute)
-    # q, k and v are converted to `compute` a block at a time: the extra memory stays a few
-    # blocks even when the inputs are billions of elements (sampled rows).
     full = (B, Hq, Nq, Nk)
     mask = None if mask is None else xp.broadcast_to(xp.asarray(mask), full)
     bias = None if bias is None else xp.broadcast_to(xp.asarray(bias), full)
-    scale = np.dtype(compute).type(pb.scale)
     step = max(1, CHUNK_ELEMS // max(1, G * Nk))
     for b, kv_len in enumerate(row_lengths(pb, kv_lengths)):
-        for p0 in range(0, n_out, step):
-            p1 = min(n_out, p0 + step)
-            # the block's query rows: a slice (every row), or a list (sampled rows)
-            sel = slice(p0, p1) if rows is None else rows[p0:p1]
-            lo, hi = ranges_of(pb, kv_len, range(p0, p1) if rows is None else sel)
-            j0, j1 = max(0, min(lo)), min(kv_len, max(hi))
-            if j1 <= j0:
-                continue  # every row of the block is fully masked: out = 0, lse = -inf
-            for hk in range(Hk):
-                heads = slice(hk * G, (hk + 1) * G)
-                mask_b = None if mask is None else mask[b, heads][:, sel, j0:j1]
-                bias_b = None if bias is None else bias[b, heads][:, sel, j0:j1].astype(compute)
-                q_b, k_b, v_b = (xp.asarray(x, dtype=compute) for x in (
-                    q[b, heads][:, sel], k[b, hk, j0:j1], v[b, hk, j0:j1]))
-                keep = visible(lo, hi, j0, j1, mask_b, bias_b, xp)
-                with quiet(xp):
-                    s = q_b @ k_b.T  # (G, R, n)
-                    s *= scale
-                    if bias is not None:
-                        s += bias_b
-                    if keep is not None:
-                        s = xp.where(keep, s, -xp.inf)
-                    m = s.max(axis=-1, keepdims=True)  # NaN propagates; -inf: no visible key
-                    m = xp.where(m == -xp.inf, 0, m)  # never exp(-inf - -inf)
-                    s -= m
-                    p = xp.exp(s, out=s)
-                    l = p.sum(axis=-1, keepdims=True)  # noqa: E741
-                    if round_fn is not None:
-                        p = round_fn(p, p_dtype)
-                    o = weighted_values(p, keep, v_b, xp)
-                    out[b, heads, p0:p1] = xp.where(l == 0, 0, o / l)  # NaN l stays NaN
-                    lse[b, heads, p0:p1] = (m + xp.log(l))[..., 0]
+        for hk in range(Hk):
+            # K and V of one head are converted to `compute` once; the inputs as a whole never
+            # are (they may be billions of elements, with sampled rows).
+            k_bh, v_bh = (xp.asarray(x[b, hk, :kv_len], dtype=compute) for x in (k, v))
+            finite = bool(xp.isfinite(v_bh).all())
+            heads = slice(hk * G, (hk + 1) * G)
+            for p0 in range(0, n_out, step):
+                p1 = min(n_out, p0 + step)
+                # the block's query rows: a slice (every row), or a list (sampled rows)
+                sel = slice(p0, p1) if rows is None else rows[p0:p1]
+                lo, hi = ranges_of(pb, kv_len, range(p0, p1) if rows is None else sel)
+                j0, j1 = max(0, min(lo)), min(kv_len, max(hi))
+                if j1 <= j0:
+                    continue  # every row of the block is fully masked: out = 0, lse = -inf
+                part = [None if x is None else x[b, heads][:, sel, j0:j1] for x in (mask, bias)]
+                o, l_ = _block(pb, xp.asarray(q[b, heads][:, sel], dtype=compute),
+                               k_bh[j0:j1], v_bh[j0:j1], finite, lo, hi, j0, j1, *part,
+                               compute, p_dtype, round_fn, xp)
+                out[b, heads, p0:p1], lse[b, heads, p0:p1] = o, l_
     return out, lse
+
+
+def _block(pb, q_b, k_b, v_b, finite, lo, hi, j0, j1, mask_b, bias_b, compute, p_dtype,
+           round_fn, xp):
+    """(out, lse) of one block: G query heads, R rows, keys j0 <= j < j1."""
+    bias_b = None if bias_b is None else bias_b.astype(compute)
+    keep = visible(lo, hi, j0, j1, mask_b, bias_b, xp)
+    with quiet(xp):
+        s = q_b @ k_b.T  # (G, R, n)
+        s *= np.dtype(compute).type(pb.scale)
+        if bias_b is not None:
+            s += bias_b
+        if keep is not None:
+            s = xp.where(keep, s, -xp.inf)
+        m = s.max(axis=-1, keepdims=True)  # NaN propagates; -inf: no visible key
+        m = xp.where(m == -xp.inf, 0, m)  # never exp(-inf - -inf)
+        s -= m
+        p = xp.exp(s, out=s)
+        l = p.sum(axis=-1, keepdims=True)  # noqa: E741
+        if round_fn is not None:
+            p = round_fn(p, p_dtype)
+        o = p @ v_b if finite else weighted_values(p, keep, v_b, xp)
+        return xp.where(l == 0, 0, o / l), (m + xp.log(l))[..., 0]  # NaN l stays NaN

@@ -71,6 +71,8 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
             print(f"\r[{i + 1}/{len(cases)} {time.perf_counter() - t0:5.0f}s] "
                   f"{result.verdict:11s} {case.name[:50]:50s}", end="", file=sys.stderr,
                   flush=True)
+            if result.verdict == "fail":  # the first line now; the whole detail in the report
+                print(f"\n  {result.detail.splitlines()[0][:200]}", file=sys.stderr)
     if progress:
         print(file=sys.stderr)
     report.costs = impl.costs_line()
