@@ -87,9 +87,10 @@ def make_inputs(case, seed):
     rng = np.random.default_rng(seed)
     shapes = [(case.B, case.Hq, case.Nq, case.D), (case.B, case.Hk, case.Nk, case.D),
               (case.B, case.Hk, case.Nk, case.Dv)]
-    # float32 draws for the scale suite's billions of elements (float64 ones for the rest)
-    q, k, v = (rng.standard_normal(s, dtype=np.float32 if case.sampled else np.float64)
-               for s in shapes)
+    if case.sampled:  # billions of elements: float32, drawn on every core
+        q, k, v = (_normal_float32(seed, i, s) for i, s in enumerate(shapes))
+    else:
+        q, k, v = (rng.standard_normal(s) for s in shapes)
     if case.values == "large":  # scores far beyond exp's range: needs the max subtraction
         q, k = q * 30.0, k * 30.0
     elif case.values == "tiny":
@@ -126,8 +127,26 @@ def _cast(x, dtype):
     if dtype == "bfloat16":
         import ml_dtypes
 
-        return x.astype(np.float32).astype(ml_dtypes.bfloat16)
-    return x.astype(dtype)
+        return x.astype(np.float32, copy=False).astype(ml_dtypes.bfloat16)
+    return x.astype(dtype, copy=False)
+
+
+def _normal_float32(seed, which, shape, chunk=1 << 24):
+    """Standard normal float32 draws in chunks of `chunk` elements, each from its own stream
+    of SeedSequence(seed, which): the same values whatever the number of threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    out = np.empty(int(np.prod(shape)), np.float32)
+    starts = range(0, out.size, chunk)
+    streams = np.random.SeedSequence([seed, which]).spawn(len(starts))
+
+    def fill(i):
+        part = out[starts[i]:starts[i] + chunk]
+        np.random.default_rng(streams[i]).standard_normal(out=part, dtype=np.float32)
+
+    with ThreadPoolExecutor() as pool:
+        list(pool.map(fill, range(len(starts))))
+    return out.reshape(shape)
 
 
 def _mask(case, rng):
