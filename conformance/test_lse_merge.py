@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 import reference
 from verify.cases import make_inputs
 from verify.criterion import judge
-from verify.runner import _call, _to_impl, _unpack
+from verify.runner import call, to_impl, unpack
 
 from .strategies import cases, seeds
 
@@ -26,8 +26,8 @@ def test_merge_of_any_split_equals_whole(impl, limits):
         parts = []
         for keep in (np.arange(case.Nk) < cut, np.arange(case.Nk) >= cut):
             opts = dict(options, mask=np.broadcast_to(keep, (case.Nq, case.Nk)).copy())
-            args, kwargs = _to_impl(impl, case, q, k, v, opts)
-            out, lse = _unpack(impl, case, _call(impl, args, kwargs))
+            args, kwargs = to_impl(impl, case, (q, k, v, opts))
+            out, lse = unpack(impl, case, call(impl, args, kwargs))
             parts.append((out, lse))
         out, lse = reference.merge(*parts)
         note(f"{case} split at {cut}")
