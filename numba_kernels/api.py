@@ -50,7 +50,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     io = _io_for(q, k, v, mask, bias, kv_lengths)
     out = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.dv), pb.dtype)
     lse = io.empty((pb.batch, pb.heads_q, pb.n_q), "float32")
-    if pb.n_q > 0:
+    if pb.batch * pb.heads_q * pb.n_q > 0:  # else the outputs are empty: nothing to launch
         has_mask = mask is not None or bias is not None
         # Splitting depends on the tiles only, which do not depend on splitting.
         tiles = spec or choose_spec(pb.d, pb.dv, pb.dtype, has_mask)

@@ -1,9 +1,10 @@
-"""python -m reference: check the reference against itself on awkward shapes.
+"""python -m reference [--help]: check the reference against itself on awkward shapes.
 
 Compares the tiled FlashAttention-2 algorithm and the split-and-merge rule with the direct
 float64 computation, and reports the low-precision emulation's error per dtype. Exit code 0
 when every check holds.
 """
+import argparse
 import sys
 
 import numpy as np
@@ -20,7 +21,9 @@ CASES = [  # (B, Hq, Hk, Nq, Nk, D, Dv, options)
 ]
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(prog="python -m reference", description=__doc__.split("\n\n", 1)[1]
+                            ).parse_args(argv)
     rng = np.random.default_rng(0)
     print(f"{'case':52s} {'tiled vs naive':>15s} {'merge vs whole':>15s} {'fp16 emul.':>11s}")
     ok = True

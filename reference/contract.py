@@ -164,6 +164,11 @@ def check_attention_args(q, k, v, *, scale=None, causal=False, mask=None, bias=N
     if causal:
         right = 0  # causal is the window (-1, 0) intersected with any other window
     full = (B, Hq, Nq, Nk)
+    for name, x, kind in (("mask", mask, "a boolean"), ("bias", bias, "a float"),
+                          ("kv_lengths", kv_lengths, "an integer")):
+        if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
+            raise TypeError(f"{name} must be {kind} array (NumPy, CuPy or torch), got "
+                            f"{type(x).__name__}")
     if mask is not None:
         if dtype_name(mask) != "bool":
             raise TypeError(f"mask must be boolean (True = attend), got dtype {dtype_name(mask)}")

@@ -42,6 +42,9 @@ BAD = {
     "window-bad": (dict(window=3), TypeError, "window must be a pair"),
     "scale-str": (dict(scale="1"), TypeError, "scale must be a Python number"),
     "scale-nan": (dict(scale=float("nan")), ValueError, "scale must be a finite number"),
+    "mask-list": (dict(mask=[[True] * 5] * 3), TypeError, "mask must be a boolean array"),
+    "bias-list": (dict(bias=[[0.0] * 5] * 3), TypeError, "bias must be a float array"),
+    "lengths-list": (dict(kv_lengths=[5, 5]), TypeError, "kv_lengths must be an integer array"),
     "scale-inf": (dict(scale=-float("inf")), ValueError, "scale must be a finite number"),
 }
 

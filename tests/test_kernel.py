@@ -185,6 +185,12 @@ def test_empty(shape):
     assert out.shape == (1, 2, shape[0], 16) and (out == 0).all() and (lse == -np.inf).all()
 
 
+def test_empty_batch():
+    q = np.zeros((0, 2, 4, 16), np.float32)
+    out, lse = flash_attention(q, q, q, return_lse=True)
+    assert out.shape == (0, 2, 4, 16) and lse.shape == (0, 2, 4)
+
+
 def test_strided_inputs_deterministic_and_untouched():
     rng = np.random.default_rng(5)
     # (B, N, H, D) storage viewed as (B, H, N, D): non-contiguous.
@@ -205,6 +211,8 @@ BAD = {
     "mask-shape": ({}, dict(mask=np.ones((3, 3), bool)), ValueError, "does not broadcast"),
     "lengths-range": ({}, dict(kv_lengths=np.array([9])), ValueError, "lie in"),
     "num-splits": ({}, dict(num_splits=0), ValueError, "num_splits must be"),
+    "mask-list": ({}, dict(mask=[[True]]), TypeError, "mask must be a boolean array"),
+    "scale-nan": ({}, dict(scale=float("nan")), ValueError, "scale must be a finite"),
 }
 
 

@@ -207,3 +207,28 @@ def test_merge_of_any_split_equals_whole(data):
 def test_merge_rejects_mismatched_parts():
     with pytest.raises(ValueError, match="equal shapes"):
         R.merge((np.zeros((2, 3)), np.zeros(2)), (np.zeros((3, 3)), np.zeros(3)))
+
+
+def test_command_line_help_and_self_check(capsys):
+    from reference.__main__ import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0 and "usage: python -m reference" in capsys.readouterr().out
+    assert main([]) == 0 and "reference self-check: passed" in capsys.readouterr().out
+
+
+def test_sampled_rows_equal_the_whole():
+    rng = np.random.default_rng(11)
+    q, k, v = qkv(rng, 2, 4, 2, 37, 41, 8, 5)
+    mask = rng.random((2, 1, 37, 41)) < 0.7
+    bias = rng.standard_normal((1, 4, 37, 41))
+    rows = [0, 5, 6, 20, 36]
+    for options in (dict(), dict(causal="bottom_right", mask=mask, bias=bias),
+                    dict(window=(3, 2), kv_lengths=np.array([10, 41]))):
+        out, lse = R.attention(q, k, v, return_lse=True, **options)
+        part, part_lse = R.attention(q, k, v, return_lse=True, rows=rows, **options)
+        assert_same(part, out[:, :, rows], 0)
+        assert_same(part_lse, lse[:, :, rows], 0)
+    with pytest.raises(ValueError, match="rows must be increasing"):
+        R.attention(q, k, v, rows=[3, 2])
