@@ -1,6 +1,6 @@
 """Compile every shipped kernel variant for a real GPU, on any machine, and check the result.
 
-    python -m numba_kernels.ptx_report [--cc 9.0] [--jobs 2] [--json PATH]
+    python -m numba_kernels.ptx_report [--cc 9.0] [--jobs 2] [--json PATH] [--no-cache]
 
 For each variant, in both versions Numba compiles (C-contiguous arrays, what contiguous inputs
 launch, and any-layout arrays, for strided inputs), and for the split-KV merge kernel of each
@@ -10,9 +10,16 @@ stack frame (arrays that fell out of registers into local memory), uses more sta
 memory than 48 KB, or has a float64 instruction in its PTX (a bare Python float turns float32
 arithmetic into float64). The CUDA simulator cannot show any of this.
 Exit code 0 only when every variant passes.
+
+Each variant's figures are cached (FLASH_PTX_CACHE, default ~/.cache/flash-conformance/ptx)
+under a key made of everything its PTX and ptxas's verdict depend on: the sources it is
+compiled from (SOURCES: reference/contract.py too, whose key_range is in the kernel), the
+variant, the layout, the compute capability, the numba and numba-cuda versions and ptxas's
+own version. A change to any of them is a new key, so a cached figure is never stale.
 """
 import argparse
 import glob
+import hashlib
 import json
 import os
 import re
@@ -33,9 +40,55 @@ def find_ptxas():
             return path
     found = shutil.which("ptxas")
     if not found:
-        raise RuntimeError("ptxas not found: pip install 'flash-conformance[cu13]' (it brings "
+        raise RuntimeError("ptxas not found: pip install 'flash-conformance[ptx]' (it brings "
                            "nvidia-cuda-nvcc), or put a CUDA toolkit's bin folder on PATH")
     return found
+
+
+CACHE = os.environ.get("FLASH_PTX_CACHE",
+                       os.path.join(os.path.expanduser("~"), ".cache", "flash-conformance", "ptx"))
+
+
+# Every file the compiled variants are made from (what specs.compile_ptx imports), and this
+# one. A module that a shipped variant comes to import must be added here.
+SOURCES = ("numba_kernels/flash_fwd.py", "numba_kernels/convert.py", "numba_kernels/specs.py",
+           "numba_kernels/split_kv.py", "numba_kernels/ptx_report.py",
+           "reference/contract.py", "reference/_xp.py")
+
+
+def dependencies_digest(ptxas):
+    """sha256 of what every variant's result depends on besides the variant itself."""
+    import numba
+    import numba_cuda
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for name in SOURCES:
+        with open(os.path.join(root, name), "rb") as f:
+            h.update(name.encode() + f.read())
+    version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
+    h.update(f"{numba.__version__} {numba_cuda.__version__} {version}".encode())
+    return h.hexdigest()
+
+
+def cached_check(args):
+    """check_variant, through the cache when args carry a digest (args[4]) and a folder."""
+    spec, layout, cc, ptxas, digest, folder = args
+    if not folder:
+        return check_variant(args[:4])
+    key = hashlib.sha256(f"{digest} {spec!r} {layout} {cc}".encode()).hexdigest()
+    path = os.path.join(folder, key + ".json")
+    try:
+        with open(path) as f:
+            return dict(json.load(f), cached=True)
+    except (OSError, ValueError):
+        pass
+    row = check_variant(args[:4])
+    os.makedirs(folder, exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(row, f)
+    os.replace(path + ".tmp", path)  # whole or absent, whatever runs beside it
+    return row
 
 
 def check_variant(args):
@@ -79,6 +132,8 @@ def main(argv=None):
     ap.add_argument("--cc", default="9.0", help="compute capability, e.g. 9.0 (default)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write the per-variant figures here")
+    ap.add_argument("--no-cache", action="store_true",
+                    help=f"compile every variant, and read or write no cache ({CACHE})")
     a = ap.parse_args(argv)
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         sys.exit("unset NUMBA_ENABLE_CUDASIM: the simulator cannot compile PTX")
@@ -89,22 +144,27 @@ def main(argv=None):
     # the kernel variants in both layouts, then the merge kernels
     specs = [(s, layout) for s in shipped_specs() for layout in ("C", "A")]
     specs += [(dtype, "A") for dtype in DTYPES]
-    print(f"compiling {len(specs)} kernels for sm_{cc[0]}{cc[1]} with {ptxas}", flush=True)
+    folder = None if a.no_cache else CACHE
+    digest = dependencies_digest(ptxas) if folder else None
+    print(f"compiling {len(specs)} kernels for sm_{cc[0]}{cc[1]} with {ptxas}"
+          + (f" (cache {folder})" if folder else ""), flush=True)
     rows = []
     with ProcessPoolExecutor(a.jobs) as pool:
-        jobs = [(s, layout, cc, ptxas) for s, layout in specs]
-        for i, row in enumerate(pool.map(check_variant, jobs)):
+        jobs = [(s, layout, cc, ptxas, digest, folder) for s, layout in specs]
+        for i, row in enumerate(pool.map(cached_check, jobs)):
             rows.append(row)
             status = "ok" if row["ok"] else "FAIL " + ",".join(row.get("problems", ["ptxas"]))
             figures = row.get("error") or (f"{row['registers']:3d} regs {row['shared']:6d} B smem "
                                            f"stack {row['stack_frame']} spills "
                                            f"{row['spill_stores']}/{row['spill_loads']}")
-            print(f"[{i + 1}/{len(specs)}] {row['spec']}: {figures} {status}", flush=True)
+            print(f"[{i + 1}/{len(specs)}] {row['spec']}: {figures} {status}"
+                  + (" (cached)" if row.get("cached") else ""), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
     failed = [r for r in rows if not r["ok"]]
-    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed")
+    cached = sum(bool(r.get("cached")) for r in rows)
+    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed ({cached} from the cache)")
     return 1 if failed else 0
 
 

@@ -2,9 +2,10 @@
 instructions or shared memory over the static limit (numba_kernels/ptx_report.py).
 
 Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling 243
-kernels takes minutes of CPU, and the simulator tests use one core: so when other tests run
-in the same session, tests/conftest.py starts the report as soon as this test is collected,
-on one core beside them, and runs this test last, to collect its result.
+kernels takes about 16 minutes of CPU: tests/conftest.py starts the report as soon as this
+test is collected, on every core beside the other tests, and runs this test last, to collect
+its result. The report caches each variant's figures under a key of everything they depend
+on (ptx_report.py), so a run after an unchanged kernel compiles nothing.
 """
 import os
 import subprocess
@@ -18,7 +19,7 @@ _GATE = {}  # the running report: process, output file, its json path
 
 
 def start_gate(jobs=None):
-    """Starts the report in the background (once a session); a no-op without the cu13 extra."""
+    """Starts the report in the background (once a session); a no-op without the ptx extra."""
     if _GATE:
         return
     try:
@@ -46,7 +47,7 @@ def stop_gate():
 
 
 def test_every_shipped_variant_compiles_clean():
-    pytest.importorskip("cuda.bindings", reason="needs numba-cuda[cu13] (the cu13 extra)")
+    pytest.importorskip("cuda.bindings", reason="needs the ptx extra (numba-cuda[cu13] and ptxas)")
     start_gate()  # already running when conftest started it
     returncode = _GATE["process"].wait(timeout=1800)
     _GATE["out"].seek(0)
@@ -55,3 +56,48 @@ def test_every_shipped_variant_compiles_clean():
     tail = "\n".join(output.splitlines()[-15:])
     assert returncode == 0, tail
     assert " 0 failed" in output, tail
+
+
+def test_the_cache_serves_only_an_unchanged_variant(tmp_path, monkeypatch):
+    from numba_kernels import ptx_report
+
+    compiled = []
+
+    def fake_check(args):
+        compiled.append(args)
+        return dict(spec=repr(args[0]), ok=True)
+
+    monkeypatch.setattr(ptx_report, "check_variant", fake_check)
+    job = ("spec", "C", (9, 0), "ptxas", "digest", str(tmp_path))
+    assert ptx_report.cached_check(job) == dict(spec="'spec'", ok=True)
+    assert ptx_report.cached_check(job)["cached"] and len(compiled) == 1
+    for changed in (("spec", "A", (9, 0), "ptxas", "digest"),  # layout
+                    ("spec", "C", (8, 0), "ptxas", "digest"),  # compute capability
+                    ("spec", "C", (9, 0), "ptxas", "other sources")):  # a dependency
+        assert "cached" not in ptx_report.cached_check(changed + (str(tmp_path),))
+    assert len(compiled) == 4
+    ptx_report.cached_check(job[:5] + (None,))  # no folder: no cache
+    assert len(compiled) == 5
+
+
+def test_the_digest_follows_the_sources(tmp_path, monkeypatch):
+    pytest.importorskip("numba_cuda")
+    from numba_kernels import ptx_report
+
+    fake_ptxas = tmp_path / "ptxas"
+    fake_ptxas.write_text("#!/bin/sh\necho ptxas 13.0\n")
+    fake_ptxas.chmod(0o755)
+    first = ptx_report.dependencies_digest(str(fake_ptxas))
+    assert first == ptx_report.dependencies_digest(str(fake_ptxas))
+    real_open = open
+
+    def edited(path, mode="r", *args, **kw):  # the kernel's source, one byte more
+        f = real_open(path, mode, *args, **kw)
+        if str(path).endswith("flash_fwd.py") and "b" in mode:
+            import io
+
+            return io.BytesIO(f.read() + b" ")
+        return f
+
+    monkeypatch.setattr("builtins.open", edited)
+    assert ptx_report.dependencies_digest(str(fake_ptxas)) != first
