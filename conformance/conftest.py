@@ -1,27 +1,14 @@
 """Selecting the implementation under test, the Hypothesis profile, the report header and the
-end-of-run summary."""
+end-of-run summary. The command-line options are the plugin's (conformance/plugin.py), so
+that they exist wherever pytest runs, `pytest --pyargs conformance` in another project
+included."""
 import os
 
 import pytest
 
 from verify.device import gpu_present, use_simulator_if_no_gpu
 
-ENV_IMPL = "FLASH_CONFORMANCE_IMPL"
-
-
-def pytest_addoption(parser):
-    group = parser.getgroup("conformance")
-    group.addoption("--impl", default=None,
-                    help=f"implementation under test: a verify adapter name (numba, "
-                         f"torch-efficient, ...) or MODULE:CALLABLE; default ${ENV_IMPL} or numba")
-    group.addoption("--profile", default=None, choices=["ci", "gpu", "thorough"],
-                    help="Hypothesis profile; default gpu on a GPU, else ci")
-    group.addoption("--max-examples", type=int, default=None,
-                    help="examples per property, overriding the profile's")
-    group.addoption("--no-shrink", action="store_true",
-                    help="report the first failing example as drawn, without shrinking it "
-                         "(for surveys of kernels that fail often: shrinking large inputs "
-                         "takes many calls)")
+from .plugin import ENV_IMPL
 
 
 def pytest_configure(config):

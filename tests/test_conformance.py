@@ -37,3 +37,18 @@ def test_bad_options_are_usage_errors():
     run = run_conformance("--impl", "no_such_module:fn")
     assert run.returncode == 4
     assert "cannot load implementation 'no_such_module:fn'" in run.stderr
+
+
+def test_runs_from_another_directory(tmp_path):
+    """A kernel author's own repository: `pytest --pyargs conformance` with every option the
+    README shows, found through the installed plugin (pyproject's pytest11 entry point)."""
+    (tmp_path / "mykernel.py").write_text(
+        "from tests.broken_kernels import CORRECT as attention\n")
+    cmd = [sys.executable, "-m", "pytest", "--pyargs", "conformance", "-p", "no:cacheprovider",
+           "-k", "tile_boundaries", "--impl", "mykernel:attention", "--profile", "ci",
+           "--max-examples", "2", "--no-shrink", "-q"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "1 passed" in run.stdout and "unrecognized arguments" not in run.stderr

@@ -1,0 +1,24 @@
+"""The pytest plugin of the conformance suite: its command-line options.
+
+Registered through the `pytest11` entry point (pyproject.toml), as Hypothesis registers its
+own, so that `pytest --pyargs conformance --impl mypkg.attn:fn` works from any directory once
+the project is installed: pytest reads options before it finds conformance/conftest.py,
+which does everything else (and only when the suite itself is collected: other test runs
+see the options and nothing more).
+"""
+ENV_IMPL = "FLASH_CONFORMANCE_IMPL"
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("conformance", "flash-conformance property suite")
+    group.addoption("--impl", default=None,
+                    help=f"implementation under test: a verify adapter name (numba, "
+                         f"torch-efficient, ...) or MODULE:CALLABLE; default ${ENV_IMPL} or numba")
+    group.addoption("--profile", default=None, choices=["ci", "gpu", "thorough"],
+                    help="Hypothesis profile; default gpu on a GPU, else ci")
+    group.addoption("--max-examples", type=int, default=None,
+                    help="examples per property, overriding the profile's")
+    group.addoption("--no-shrink", action="store_true",
+                    help="report the first failing example as drawn, without shrinking it "
+                         "(for surveys of kernels that fail often: shrinking large inputs "
+                         "takes many calls)")
