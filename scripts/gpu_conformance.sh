@@ -43,9 +43,9 @@ for stage in "${stages[@]}"; do
   start=$(date +%s)
   case $stage in
     kernel)
-      python3 scripts/gpu_check.py --quick --out "$OUT" > "$OUT/check.log" 2>&1
+      python3 scripts/dev/gpu_check.py --quick --out "$OUT" > "$OUT/check.log" 2>&1
       echo "gpu_check: rc=$? in $(( $(date +%s) - start )) s"; tail -3 "$OUT/check.log"
-      python3 scripts/layout_check.py 2>&1 | grep -v Warning | tee "$OUT/layout.log" ;;
+      python3 scripts/dev/layout_check.py 2>&1 | grep -v Warning | tee "$OUT/layout.log" ;;
     numba) run_numba ;;
     sdpa) run_sdpa ;;
     numba+sdpa)

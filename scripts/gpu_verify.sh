@@ -17,12 +17,12 @@ summary() {  # the failure map and the verdict line of a verify log
 }
 if step ab && [[ -f numba_kernels/_ab_old_flash_fwd.py ]]; then
   start=$(date +%s)
-  timeout 200 python3 scripts/ab_kernel.py > "$OUT/ab.log" 2>&1
+  timeout 200 python3 scripts/dev/ab_kernel.py > "$OUT/ab.log" 2>&1
   echo "ab rc=$? in $(( $(date +%s) - start )) s"; tail -7 "$OUT/ab.log"
 fi
 pids=()
 if step check; then
-  (timeout 420 python3 scripts/gpu_check.py --quick --out "$OUT" > "$OUT/check.log" 2>&1;
+  (timeout 420 python3 scripts/dev/gpu_check.py --quick --out "$OUT" > "$OUT/check.log" 2>&1;
    echo "gpu_check rc=$?" >> "$OUT/check.log") &
   pids+=($!)
 fi
@@ -50,7 +50,7 @@ if step verify; then
 fi
 if step broken; then echo "== broken default-stream kernel: $(tail -2 "$OUT/broken.log" | head -1)"; fi
 if step findings; then
-  timeout 120 python3 scripts/gpu_findings.py > "$OUT/findings.log" 2>&1
+  timeout 120 python3 scripts/dev/gpu_findings.py > "$OUT/findings.log" 2>&1
   echo "== findings rc=$?"; cat "$OUT/findings.log" | grep -v Warning | head -40
 fi
 if step scale; then

@@ -3,7 +3,7 @@
 Without a GPU this runs in the CUDA simulator (tests/conftest.py), so sizes are tiny; the
 sizes are still chosen around the tiles of the variants they select (BLOCK_M = 64, BLOCK_N = 32
 for D <= 64; 64 x 16 up to 128, 32 x 32 for D = 96 with a mask; 16 x 16 up to 256).
-scripts/gpu_check.py runs the large battery on a GPU.
+scripts/dev/gpu_check.py runs the large battery on a GPU.
 """
 import zlib
 

@@ -1,6 +1,6 @@
 """numba_kernels/launch.py: the cached launch plan of torch calls, on the CPU.
 
-The real path needs a GPU (scripts/gpu_check.py runs every battery case through it). Here Numba's
+The real path needs a GPU (scripts/dev/gpu_check.py runs every battery case through it). Here Numba's
 dispatcher, its compiled kernel and cuda.core's launch are stand-ins with the same interface,
 so the plan's bookkeeping is tested: the first call of a layout goes through Numba and builds
 a plan; later calls launch with their own tensors' pointers; another layout gets another plan;

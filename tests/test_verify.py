@@ -49,7 +49,7 @@ def test_torch_math_cpu_passes():
 def test_numba_kernel_in_simulator_passes():
     # float32 only: in the simulator each more dtype costs about 45 s of CI. The half-precision
     # variants are checked by tests/test_kernel.py and `pytest conformance` here, and by
-    # scripts/gpu_check.py's battery on the GPU.
+    # scripts/dev/gpu_check.py's battery on the GPU.
     report = verify.compare("numba", suite="quick", dtypes=("float32",), progress=False)
     assert report.passed, str(report)
     assert len(report.cases) > 20 and all(r.case.dtype == "float32" for r in report.cases)

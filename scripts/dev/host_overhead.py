@@ -1,6 +1,6 @@
 """Where the time of one flash_attention call goes at small N, on a GPU with torch tensors.
 
-    python scripts/host_overhead.py [--out DIR]
+    python scripts/dev/host_overhead.py [--out DIR]
 
 For each shape, three figures in milliseconds:
 - call: CUDA events around one flash_attention call after a synchronize, median (what
@@ -27,7 +27,7 @@ from functools import partial
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from benchmarks.attention_speed import time_ms  # noqa: E402
 from numba_kernels import api  # noqa: E402
 

@@ -1,7 +1,7 @@
 """What strided inputs cost: the kernel on contiguous tensors against the same values read
 through strides, (B, N, H, D) storage seen as (B, H, N, D). On a GPU, side by side in one run.
 
-    python scripts/layout_check.py
+    python scripts/dev/layout_check.py
 
 Numba compiles a kernel version per array layout: C-contiguous arrays get addresses computed
 from the shape, strided ("A") arrays from their strides (medians of CUDA events). The two
@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from benchmarks.attention_speed import DTYPES, time_ms  # noqa: E402
 from numba_kernels import flash_attention  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The working tree's kernel against an older flash_fwd.py, side by side on the same inputs.
 
     git show REV:numba_kernels/flash_fwd.py > numba_kernels/_ab_old_flash_fwd.py
-    python scripts/ab_kernel.py
+    python scripts/dev/ab_kernel.py
 
 Both kernels are launched directly (Numba's own launch, the same host path for both), with
 their own argument lists: the old one is the 22-argument kernel without a bias, the new one
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from numba import cuda
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from benchmarks.attention_speed import DTYPES, time_ms  # noqa: E402
 from numba_kernels import _ab_old_flash_fwd as old  # noqa: E402
 from numba_kernels import choose_spec  # noqa: E402

@@ -1,6 +1,6 @@
 """What the kernel must show on a GPU, in one run: correctness on a large battery, sanitizers.
 
-    python scripts/gpu_check.py [--out DIR] [--quick] [--no-sanitize]
+    python scripts/dev/gpu_check.py [--out DIR] [--quick] [--no-sanitize]
 
 1. The battery: every dtype, D in {16, 40, 64, 96, 128, 256}, every mask kind, shapes up to
    8192, against the float64 reference computed on the GPU with CuPy, under the project's
@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import cupy  # noqa: E402
 from numba import config  # noqa: E402

@@ -1,4 +1,4 @@
-"""One launch of the kernel for a profiler: python scripts/profile_one.py D [N] [dtype].
+"""One launch of the kernel for a profiler: python scripts/dev/profile_one.py D [N] [dtype].
 
 Launches flash_attention twice on (B, 16, N, D) inputs, B * D = 256 (the benchmark's shapes):
 the first launch compiles, so profile the second (ncu --launch-skip 1 --launch-count 1).
@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from numba_kernels import flash_attention  # noqa: E402
 
 D = int(sys.argv[1])

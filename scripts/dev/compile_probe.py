@@ -1,6 +1,6 @@
 """Seconds to compile (first launch) and to run (second launch) a few kernel variants on a GPU.
 
-    python scripts/compile_probe.py
+    python scripts/dev/compile_probe.py
 """
 import os
 import sys
@@ -8,7 +8,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from numba_kernels import flash_attention  # noqa: E402
 
 for D, dtype, masked in ((64, torch.float32, False), (128, torch.float16, True),
