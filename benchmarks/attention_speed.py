@@ -29,8 +29,9 @@ from numba import config  # noqa: E402
 config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 from numba_kernels import flash_attention  # noqa: E402
 from numba_kernels.flash_fwd import KernelSpec  # noqa: E402
+from reference.dtypes import KERNEL_DTYPES, torch_dtype  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {name: torch_dtype(name) for name in KERNEL_DTYPES}
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 

@@ -7,7 +7,8 @@ and returns the caller's array type. Outputs are fresh arrays; inputs are never 
 import numpy as np
 from numba import cuda
 
-from reference.contract import check_attention_args, dtype_name, row_lengths
+from reference.contract import check_attention_args, row_lengths
+from reference.dtypes import TRANSPORT, numpy_dtype, transported
 from .convert import SIMULATOR
 from .flash_fwd import LOG2E
 from .launch import launch
@@ -149,9 +150,7 @@ class _NumpyIO:
     def dev(self, x):
         if isinstance(x, _Pending):
             return x.device
-        if dtype_name(x) == "bfloat16":  # travels as its bit pattern (see convert.py)
-            x = x.view(np.int16)
-        return cuda.to_device(np.ascontiguousarray(x))
+        return cuda.to_device(np.ascontiguousarray(transported(x)))  # bfloat16: int16 bits
 
     def empty(self, shape, dtype):
         return _Pending(shape, dtype)
@@ -180,15 +179,10 @@ class _Pending:
 
     def __init__(self, shape, dtype):
         self.dtype = dtype
-        self.device = cuda.device_array(shape, np.int16 if dtype == "bfloat16" else dtype)
+        self.device = cuda.device_array(shape, TRANSPORT[dtype])
 
     def fetch(self):
-        host = self.device.copy_to_host()
-        if self.dtype == "bfloat16":
-            import ml_dtypes
-
-            host = host.view(ml_dtypes.bfloat16)
-        return host
+        return self.device.copy_to_host().view(numpy_dtype(self.dtype))
 
 
 class _TorchIO:
@@ -210,9 +204,7 @@ class _TorchIO:
             self.stream = self._streams[handle] = cuda.external_stream(handle)
 
     def dev(self, x):
-        if x.dtype == self.torch.bfloat16:
-            x = x.view(self.torch.int16)
-        return x.detach()
+        return transported(x.detach())
 
     def empty(self, shape, dtype):
         return self.torch.empty(shape, dtype=getattr(self.torch, dtype), device=self.device)

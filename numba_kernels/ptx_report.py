@@ -53,7 +53,7 @@ CACHE = os.environ.get("FLASH_PTX_CACHE",
 # one. A module that a shipped variant comes to import must be added here.
 SOURCES = ("numba_kernels/flash_fwd.py", "numba_kernels/convert.py", "numba_kernels/specs.py",
            "numba_kernels/split_kv.py", "numba_kernels/ptx_report.py",
-           "reference/contract.py", "reference/_xp.py")
+           "reference/contract.py", "reference/_xp.py", "reference/dtypes.py")
 
 
 def dependencies_digest(ptxas):

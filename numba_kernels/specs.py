@@ -10,6 +10,7 @@ from types import SimpleNamespace
 from numba import cuda, float32, int16, int32, int64, uint8
 from numba.types import float16
 
+from reference.dtypes import KERNEL_DTYPES
 from .convert import CONVERTERS, SIMULATOR
 from .flash_fwd import FASTMATH, KernelSpec, kernel_source
 from .split_kv import merge_source
@@ -17,7 +18,7 @@ from .split_kv import merge_source
 MAX_HEAD_DIM = 256
 # D and Dv are zero-padded up to the next of these (the padding costs FLOPs, not accuracy).
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256)
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = KERNEL_DTYPES
 
 # padded width -> tiles (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N), without and with a mask.
 # The fastest tiles of benchmarks/attention_speed.py --sweep on an H200 (PERF.md) where every

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from ._xp import to_int_list
+from .dtypes import FLOAT_DTYPES, dtype_name
 
 CAUSAL_CHOICES = (False, "top_left", "bottom_right")
 
@@ -31,14 +32,6 @@ _CAUSAL_TRUE_MESSAGE = (
     "query i sees keys j <= i) or causal='bottom_right' (flash-attn >= 2.1: query i sees keys "
     "j <= i + Nk - Nq, so the last query sees every key). For Nq == Nk both are the same."
 )
-
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
-
-
-def dtype_name(x):
-    """'float16', 'bfloat16', 'float32', ... for NumPy, ml_dtypes, CuPy and torch arrays."""
-    return str(x.dtype).replace("torch.", "")
-
 
 @dataclass(frozen=True)
 class Problem:

@@ -10,6 +10,7 @@ and it runs on CuPy too.
 """
 from ._xp import array_namespace, quiet
 from .contract import check_attention_args
+from .dtypes import KERNEL_DTYPES
 from .naive import check_rows, forward
 
 
@@ -43,7 +44,7 @@ def attention_lowp(q, k, v, *, scale=None, causal=False, mask=None, bias=None, k
     """
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window,
-                              dtypes=("float16", "bfloat16", "float32"))
+                              dtypes=KERNEL_DTYPES)
     dtype = dtype or pb.dtype
     if dtype != pb.dtype:  # inputs given wider: round them as the kernel's inputs were
         q, k, v = (round_to(x, dtype) for x in (q, k, v))

@@ -4,6 +4,7 @@ import pytest
 
 import reference as R
 from reference.contract import key_range
+from reference.dtypes import EPS
 from tests.loops import sees
 from tests.test_reference import assert_same, qkv
 
@@ -197,7 +198,7 @@ def test_lowp_error_is_at_the_dtype_resolution(dtype):
     q, k, v = (x.astype(np_dtype) for x in qkv(rng, 2, 2, 2, 33, 65, 16))
     want = R.attention(q, k, v, causal="bottom_right")
     got = R.attention_lowp(q, k, v, causal="bottom_right")
-    eps = {"float16": 2**-10, "bfloat16": 2**-7, "float32": 2**-23}[dtype]
+    eps = EPS[dtype]
     err = np.abs(got - want).max()
     assert err <= 4 * eps * np.abs(want).max(), err
     assert err > 0  # it really is low precision: it cannot be the float64 path in disguise

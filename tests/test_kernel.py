@@ -11,15 +11,14 @@ import numpy as np
 import pytest
 
 from numba_kernels import api, flash_attention
+from reference.dtypes import numpy_dtype
 from verify.criterion import judge
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
-NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 
 
 def inputs(seed, B=1, Hq=2, Hk=1, Nq=5, Nk=7, D=16, Dv=None, dtype="float32"):
     rng = np.random.default_rng(seed)
-    t = NP_DTYPES[dtype]
+    t = numpy_dtype(dtype)
     return (rng.standard_normal((B, Hq, Nq, D)).astype(t),
             rng.standard_normal((B, Hk, Nk, D)).astype(t),
             rng.standard_normal((B, Hk, Nk, Dv or D)).astype(t))

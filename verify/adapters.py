@@ -17,11 +17,12 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from reference.contract import check_attention_args, dense_visible
+from reference.dtypes import KERNEL_DTYPES
 
 
 @dataclass
 class Supports:
-    dtypes: tuple = ("float32", "float16", "bfloat16")
+    dtypes: tuple = KERNEL_DTYPES
     causal: tuple = ("top_left", "bottom_right")
     mask: bool = True  # boolean masks in every broadcast form (B or 1, Hq or 1, Nq, Nk)
     bias: bool = True  # additive float bias, in the same forms
@@ -171,8 +172,8 @@ def _numba():
 
 BOTH = ("top_left", "bottom_right")
 TORCH_BACKENDS = {  # backend: (dtypes, max head dim, masks, gqa, Dv != D, causal alignments)
-    "math": (("float32", "float16", "bfloat16"), 1024, True, True, True, BOTH),
-    "efficient": (("float32", "float16", "bfloat16"), 256, True, False, True, BOTH),
+    "math": (KERNEL_DTYPES, 1024, True, True, True, BOTH),
+    "efficient": (KERNEL_DTYPES, 256, True, False, True, BOTH),
     # flash takes is_causal only when Nq == Nk ("No available kernel" otherwise), where the
     # two alignments agree: it is claimed as bottom-right (causal_lower_right) alone.
     "flash": (("float16", "bfloat16"), 256, False, True, False, ("bottom_right",)),
@@ -284,8 +285,8 @@ def _jax(implementation):
                                    batch_invariant=False,
                                    head_dim_multiple=1 if implementation == "xla" else 8,
                                    fully_masked="mean" if implementation == "xla" else "zeros",
-                                   dtypes=("float32", "float16", "bfloat16")
-                                   if implementation == "xla" else ("float16", "bfloat16")),
+                                   dtypes=KERNEL_DTYPES if implementation == "xla"
+                                   else ("float16", "bfloat16")),
                           array="jax", device="cuda" if jax.default_backend() == "gpu" else "cpu",
                           layout="bnhd", version=f"jax {jax.__version__}")
 

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from reference.dtypes import KERNEL_DTYPES, cast
+
 SUITES = ("quick", "standard", "full", "scale")
 BIAS_KINDS = {  # kind: the bias's shape, what it holds
     "random": "(B, Hq, Nq, Nk) normal values",
@@ -107,13 +109,13 @@ def make_inputs(case, seed):
     if case.mask:
         options["mask"] = _mask(case, rng)
     if case.bias:  # in the inputs' dtype, as libraries take it
-        options["bias"] = _cast(_bias(case, rng), case.dtype)
+        options["bias"] = cast(_bias(case, rng), case.dtype)
     if case.kv_lengths:
         lengths = rng.integers(1, case.Nk + 1, case.B)
         if case.kv_lengths == "edges":
             lengths = np.array([0, 1, case.Nk] * case.B)[: case.B]
         options["kv_lengths"] = lengths.astype(np.int32)
-    q, k, v = (_cast(x, case.dtype) for x in (q, k, v))
+    q, k, v = (cast(x, case.dtype) for x in (q, k, v))
     if case.values in ("nan-hidden", "inf-hidden"):
         _poison_hidden(case, k, v, options, np.nan if case.values == "nan-hidden" else np.inf)
     elif case.values == "nan-visible":
@@ -122,13 +124,6 @@ def make_inputs(case, seed):
         _poison_some_rows(case, k, v, options)
     return q, k, v, options
 
-
-def _cast(x, dtype):
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return x.astype(np.float32, copy=False).astype(ml_dtypes.bfloat16)
-    return x.astype(dtype, copy=False)
 
 
 def _normal_float32(seed, which, shape, chunk=1 << 24):
@@ -268,7 +263,7 @@ def _poison_some_rows(case, k, v, options):
                           f"others, so poisoning cannot show a leak")
 
 
-def battery(suite="quick", dtypes=("float32", "float16", "bfloat16"), max_head_dim=256):
+def battery(suite="quick", dtypes=KERNEL_DTYPES, max_head_dim=256):
     """The cases of a suite, in a fixed order. max_head_dim: the largest head dim claimed
     (one case runs at it)."""
     if suite not in SUITES:

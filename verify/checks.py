@@ -9,6 +9,7 @@ result is judged against, out, lse, notes) like runner.call_and_check, or raises
 """
 import numpy as np
 
+from reference.dtypes import cast
 from .cases import make_inputs
 from .runner import Fail, bits, call, call_and_check, converter, to_impl, unpack
 
@@ -143,9 +144,7 @@ def out_buffer(impl, case, seed, inputs):
     if impl.layout == "bnhd":
         shape = (case.B, case.Nq, case.Hq, case.Dv)
     padded = shape[:2] + (shape[2] + 2, shape[3] + 3)
-    guard = np.full(padded, SENTINEL, np.float32)
-    buffer = converter(impl)(_bf16(guard) if case.dtype == "bfloat16" else
-                             guard.astype(case.dtype))
+    buffer = converter(impl)(cast(np.full(padded, SENTINEL, np.float32), case.dtype))
     view = buffer[:, :, 1:-1, 1:-2]
     before = bits(buffer)
     result = call(impl, args, dict(kwargs, out=view))
@@ -159,12 +158,6 @@ def out_buffer(impl, case, seed, inputs):
         raise Fail(f"wrote outside its out= view: {int((changed & outside).sum())} guard "
                    f"elements changed, the first at {where} of the padded buffer {padded}")
     return inputs, out, lse, []
-
-
-def _bf16(x):
-    import ml_dtypes
-
-    return x.astype(ml_dtypes.bfloat16)
 
 
 CHECK_RUNNERS = {"fresh-inputs": fresh_inputs, "batch-alone": batch_alone, "stream": stream,

@@ -39,8 +39,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from reference.dtypes import EPS  # machine epsilon per dtype
+
 K = 2.0
-EPS = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}
 # The floor, in units of eps(dtype) at the output's scale. For float16 / bfloat16 the output's
 # own rounding dominates: 2 units. For float32 a correct kernel still differs from the plain
 # implementation by more than its rounding: the GPU's exp2 is approximate (ex2.approx, ~2 ulp

@@ -10,6 +10,7 @@ import traceback
 import numpy as np
 
 from reference.contract import check_attention_args, dense_visible
+from reference.dtypes import dtype_name, numpy_dtype, transported
 from .cases import make_inputs, sample_rows
 from .criterion import judge
 from .report import CaseResult
@@ -46,9 +47,7 @@ def run_case(impl, case, seed):
 def memory_shortfall(impl, case):
     """None, or why a scale-suite case cannot run here: the memory its inputs and output
     need (host, and device for a CUDA implementation) against what is free."""
-    from .cases import _cast
-
-    item = _cast(np.zeros(1), case.dtype).itemsize
+    item = numpy_dtype(case.dtype).itemsize
     elements = case.B * (case.Hq * case.Nq * (case.D + case.Dv)
                          + case.Hk * case.Nk * (case.D + case.Dv))
     scores = case.Nq * case.Nk * (case.B * case.Hq if case.mask_shape == "head" else 1)
@@ -182,10 +181,9 @@ def _swap(x):
 def _to_torch(device):
     import torch
 
-    def convert(x):
-        if str(x.dtype) == "bfloat16":
-            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).to(device)
-        return torch.from_numpy(x).to(device)
+    def convert(x):  # bfloat16 through its bits: torch cannot read ml_dtypes arrays
+        t = torch.from_numpy(transported(x))
+        return (t.view(torch.bfloat16) if dtype_name(x) == "bfloat16" else t).to(device)
 
     return convert
 

@@ -23,6 +23,7 @@ from numba_kernels import _ab_old_flash_fwd as old  # noqa: E402
 from numba_kernels import choose_spec  # noqa: E402
 from numba_kernels.flash_fwd import FASTMATH, LOG2E  # noqa: E402
 from numba_kernels.specs import build_kernel, launch_grid  # noqa: E402
+from reference.dtypes import transported  # noqa: E402
 
 SHAPES = [(2, 16, 8192, 128, "float32", False), (4, 16, 4096, 64, "float32", False),
           (2, 16, 8192, 128, "float16", False), (4, 16, 4096, 64, "float16", False),
@@ -40,14 +41,13 @@ def launcher(kernel, spec, q, k, v, causal, with_bias):
     B, H, N, D = q.shape
     blocks, threads, n_tiles = launch_grid(N, B, H, spec)
     dev = cuda.as_cuda_array
-    wide = (lambda x: x.view(torch.int16)) if q.dtype == torch.bfloat16 else (lambda x: x)
     out = torch.empty_like(q)
     lse = torch.empty(B, H, N, device="cuda")
     mask = torch.ones(1, 1, 1, 1, dtype=torch.uint8, device="cuda")
     bias = torch.zeros(1, 1, 1, 1, device="cuda")
     lengths = torch.full((B,), N, dtype=torch.int32, device="cuda")
-    head = [dev(wide(q)), dev(wide(k)), dev(wide(v)), dev(mask)]
-    tail = [dev(lengths), dev(wide(out)), dev(lse), N, D, D, 1, H, n_tiles, N,
+    head = [dev(transported(q)), dev(transported(k)), dev(transported(v)), dev(mask)]
+    tail = [dev(lengths), dev(transported(out)), dev(lse), N, D, D, 1, H, n_tiles, N,
             np.float32(D ** -0.5 * LOG2E), -1, 0 if causal else -1, int(causal), 0, 0, 0, 0]
     args = head + ([dev(bias)] if with_bias else []) + tail + ([0, 0, 0, 0] if with_bias else [])
     stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)

@@ -30,9 +30,10 @@ config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 import torch  # noqa: E402
 
 from numba_kernels import api, flash_attention, launch  # noqa: E402
+from reference.dtypes import KERNEL_DTYPES, torch_dtype  # noqa: E402
 from verify.criterion import judge  # noqa: E402
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {name: torch_dtype(name) for name in KERNEL_DTYPES}
 
 
 def poison_outputs():
