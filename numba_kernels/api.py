@@ -12,7 +12,9 @@ from reference.dtypes import TRANSPORT, numpy_dtype, transported
 from .convert import SIMULATOR
 from .flash_fwd import LOG2E
 from .launch import launch
-from .specs import DTYPES, MAX_HEAD_DIM, build_kernel, build_merge, choose_spec, launch_grid
+from .plain_fwd import plain_kernel, plain_tiles
+from .specs import (DTYPES, MAX_HEAD_DIM, build_kernel, build_merge, choose_spec, launch_grid,
+                    pad)
 from .split_kv import choose_splits, split_layout
 
 NO_DEVICE = ("no CUDA GPU is available. To run the kernel on the CPU, set the environment "
@@ -92,6 +94,35 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
 
 
 MERGE_THREADS = 128
+
+
+def plain_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
+                    kv_lengths=None, window=None, return_lse=False):
+    """The plain kernel (plain_fwd.py: one thread per query row, for reading) with
+    flash_attention's arguments, checks and array handling. Slower; no split-KV."""
+    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                              kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
+    if max(pb.d, pb.dv) > MAX_HEAD_DIM:
+        raise ValueError(f"head dims D={pb.d}, Dv={pb.dv}: this kernel supports at most "
+                         f"{MAX_HEAD_DIM}")
+    io = _io_for(q, k, v, mask, bias, kv_lengths)
+    out = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.dv), pb.dtype)
+    lse = io.empty((pb.batch, pb.heads_q, pb.n_q), "float32")
+    if pb.batch * pb.heads_q * pb.n_q > 0:
+        width = pad(max(pb.d, pb.dv))
+        has_mask = mask is not None or bias is not None
+        block_m = plain_tiles(width)[0]
+        mask_dev, steps = io.mask(mask)
+        bias_dev, bias_steps = io.bias(bias)
+        lengths = io.lengths(np.asarray(row_lengths(pb, kv_lengths), np.int32),
+                             kv_lengths is not None)
+        launch(plain_kernel(width, width, pb.dtype, has_mask), ("plain", width, pb.dtype),
+               (-(-pb.n_q // block_m), pb.batch * pb.heads_q), block_m, io.stream,
+               io.dev(q), io.dev(k), io.dev(v), mask_dev, bias_dev, lengths, io.dev(out),
+               io.dev(lse), pb.n_q, pb.group, np.float32(pb.scale * LOG2E), pb.left,
+               pb.right, int(pb.bottom_right), *steps, *bias_steps)
+    out, lse = io.result(out), io.result(lse)
+    return (out, lse) if return_lse else out
 
 
 def _sm_count():

@@ -13,6 +13,7 @@ from numba.types import float16
 from reference.dtypes import KERNEL_DTYPES
 from .convert import CONVERTERS, SIMULATOR
 from .flash_fwd import FASTMATH, KernelSpec, kernel_source
+from .plain_fwd import PlainSpec, plain_kernel_source
 from .split_kv import merge_source
 
 MAX_HEAD_DIM = 256
@@ -104,6 +105,13 @@ def signature(spec, layout="A"):
             int64, int64, int64, int64, int64, int64, int64, int64)
 
 
+def plain_signature(spec):
+    """Argument types of the plain kernel (plain_fwd.py), C-contiguous arrays."""
+    elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]][:, :, :, ::1]
+    return (elem, elem, elem, uint8[:, :, :, ::1], float32[:, :, :, ::1], int32[::1], elem,
+            float32[:, :, ::1], int64, int64, float32) + (int64,) * 11
+
+
 def merge_signature(dtype):
     out4 = _NUMBA_TYPES[CONVERTERS[dtype][2]][:, :, :, :]
     return (float32[:, :, :, :], float32[:, :, :], out4, float32[:, :, :], int64)
@@ -145,6 +153,9 @@ def compile_ptx(spec, cc=(9, 0), layout="A"):
     _device_functions_for."""
     if isinstance(spec, str):
         fn, sig = merge_source(spec), merge_signature(spec)
+    elif isinstance(spec, PlainSpec):
+        fn = plain_kernel_source(spec.width, spec.width, spec.dtype, spec.has_mask)
+        sig = plain_signature(spec)
     else:
         fn, sig = kernel_source(spec), signature(spec, layout)
     with _device_functions_for(cc):

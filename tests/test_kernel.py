@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 import pytest
 
-from numba_kernels import api, flash_attention
+from numba_kernels import api, flash_attention, plain_attention
 from reference.dtypes import numpy_dtype
 from verify.criterion import judge
 
@@ -88,6 +88,20 @@ def test_against_reference(name, poisoned):
 def test_low_precision_inputs(dtype, poisoned):
     q, k, v = inputs(1, Nq=33, Nk=40, dtype=dtype)
     check(q, k, v, causal="bottom_right")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_plain_kernel_low_precision_with_mask_and_bias(dtype, poisoned):
+    """The plain kernel (plain_fwd.py) on 16-bit inputs; verify's quick suite certifies it in
+    float32 (tests/test_verify.py)."""
+    q, k, v = inputs(3, B=2, Hq=4, Hk=2, Nq=21, Nk=37, Dv=24, dtype=dtype)
+    rng = np.random.default_rng(3)
+    options = dict(mask=rng.random((2, 4, 21, 37)) < 0.7, causal="bottom_right",
+                   bias=rng.standard_normal((1, 4, 21, 37)).astype(numpy_dtype(dtype)))
+    out, lse = plain_attention(q, k, v, return_lse=True, **options)
+    assert out.dtype == q.dtype and out.shape == (2, 4, 21, 24)
+    for c in judge(q, k, v, out, lse, **options):
+        assert c.passed, c.message()
 
 
 def test_invisible_garbage_changes_nothing():

@@ -55,6 +55,12 @@ def test_numba_kernel_in_simulator_passes():
     assert len(report.cases) > 20 and all(r.case.dtype == "float32" for r in report.cases)
 
 
+def test_plain_numba_kernel_in_simulator_passes():
+    """The kernel to read (numba_kernels/plain_fwd.py) is certified like the tuned one."""
+    report = verify.compare("numba-plain", suite="quick", dtypes=("float32",), progress=False)
+    assert report.passed and not report.unexercised, str(report)
+
+
 def test_undeclared_features_are_not_claimed():
     supports = verify.Supports(dtypes=("float32",), causal=(), mask=False, bias=False,
                                kv_lengths=False, window=False, gqa=False, dv_differs=False)

@@ -5,11 +5,11 @@ options (scale, causal, mask, bias, kv_lengths, window), and returns out; when S
 claimed it is also called with return_lse=True and must then return (out, lse). Supports says
 what it claims; cases that need anything else are reported "not claimed", not failed.
 
-Built-in adapters (imported lazily, by name): reference, numba, torch-math, torch-efficient,
-torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn. Each states the conventions of its
-library: PyTorch's is_causal is top-left (bottom-right goes through causal_lower_right),
-flash-attn's causal is bottom-right; neither returns lse from these entry points except
-flash-attn.
+Built-in adapters (imported lazily, by name): reference, numba, numba-plain, torch-math,
+torch-efficient, torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn. Each states the
+conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
+causal_lower_right), flash-attn's causal is bottom-right; neither returns lse from these
+entry points except flash-attn.
 """
 import importlib
 from dataclasses import asdict, dataclass, field
@@ -105,7 +105,8 @@ class Implementation:
 
 def builtin(name):
     """A built-in adapter by name (see the module docstring)."""
-    factories = {"reference": _reference, "numba": _numba, "flash-attn": _flash_attn}
+    factories = {"reference": _reference, "numba": _numba, "numba-plain": lambda: _numba(True),
+                 "flash-attn": _flash_attn}
     for backend in ("math", "efficient", "flash", "cudnn"):
         factories[f"torch-{backend}"] = lambda b=backend: _torch_sdpa(b)
     for impl in ("xla", "cudnn"):
@@ -146,12 +147,15 @@ def _reference():
     return Implementation("reference", fn, Supports(), version="float64, flash-conformance")
 
 
-def _numba():
-    from numba_kernels import compile_times, flash_attention
+def _numba(plain=False):
+    """Our tuned kernel, or (plain) the plain one of numba_kernels/plain_fwd.py."""
+    from numba_kernels import compile_times, flash_attention, plain_attention
     from numba_kernels.convert import SIMULATOR
 
+    attention = plain_attention if plain else flash_attention
+
     def fn(q, k, v, **options):
-        return flash_attention(q, k, v, **options)
+        return attention(q, k, v, **options)
 
     def costs():
         times = compile_times()
@@ -163,7 +167,9 @@ def _numba():
     on_gpu = not SIMULATOR
     # On a GPU the number of key splits (split_kv.py) depends on the grid, so one (batch,
     # head) alone may be split where the batch is not: equal within the bound, not bitwise.
-    return Implementation("numba", fn, Supports(batch_invariant=not on_gpu),
+    # The plain kernel never splits.
+    return Implementation("numba-plain" if plain else "numba", fn,
+                          Supports(batch_invariant=plain or not on_gpu),
                           array="torch" if on_gpu else "numpy",
                           device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"

@@ -1,0 +1,142 @@
+"""The plain FlashAttention-2 forward kernel: the algorithm of reference/tiled.py, written to
+be read, one CUDA thread per query row.
+
+Start here; flash_fwd.py is the same algorithm tuned (register micro-tiles, 128-bit shared
+loads, batched global loads). Names follow reference/tiled.py: a block is one "program",
+BLOCK_M query rows (one thread each) of one (batch, head); it walks the key tiles of BLOCK_N
+keys and keeps, per row, the running max m_i, the running sum l_i and the accumulator acc.
+
+    grid:    (query tiles, B * Hq)        block: BLOCK_M threads, thread t owns row start_m + t
+    shared:  K_tile (BLOCK_N, D + 1), V_tile (BLOCK_N, DV + 1), float32: each tile is loaded
+             once by all threads together and then read by every thread. The spare column
+             puts the rows of a tile in different banks.
+    local:   q_i (D), acc (DV), s (BLOCK_N): the thread's own row.
+
+Every tile costs two barriers: one before it is overwritten (all reads of the last tile are
+done), one after it is loaded (every element is written). Arithmetic is float32 whatever the
+input dtype; exponentials are base 2 with log2(e) folded into qk_scale, as in the reference.
+"""
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from numba import cuda, float32
+
+from .convert import CONVERTERS, SIMULATOR
+from .flash_fwd import FASTMATH, LN2, LOG2E, key_range_device
+
+PLAIN_TILES = {64: (32, 32), 128: (32, 16), 256: (16, 16)}  # width: (BLOCK_M, BLOCK_N)
+
+
+@dataclass(frozen=True)
+class PlainSpec:
+    """One compiled variant of the plain kernel (for the PTX report). Its per-thread arrays
+    (the row of Q, acc, the scores of a tile) live in local memory, 0.4 to 2 KB a thread: it
+    is written to be read; flash_fwd.py keeps everything in registers."""
+
+    width: int  # head dims padded to this
+    dtype: str
+    has_mask: bool
+
+
+def plain_specs():
+    """The variants the PTX report compiles: each tile size, dtype, with and without a mask."""
+    return [PlainSpec(w, dtype, m) for w in PLAIN_TILES for dtype in ("float32", "float16",
+                                                                      "bfloat16")
+            for m in (False, True)]
+
+
+def plain_tiles(width):
+    """(BLOCK_M, BLOCK_N) for head dims padded to `width` (shared tiles within 48 KB)."""
+    return PLAIN_TILES[next(w for w in PLAIN_TILES if w >= width)]
+
+
+@lru_cache(maxsize=64)
+def plain_kernel(D, DV, dtype, has_mask):
+    """The compiled kernel for head dims padded to D, DV (compile-time sizes of the local and
+    shared arrays), input dtype and whether it reads a mask and a bias."""
+    fn = plain_kernel_source(D, DV, dtype, has_mask)
+    return cuda.jit(fn) if SIMULATOR else cuda.jit(fastmath=FASTMATH)(fn)
+
+
+def plain_kernel_source(D, DV, dtype, has_mask):
+    BLOCK_M, BLOCK_N = plain_tiles(max(D, DV))
+    K_W, V_W = D + 1, DV + 1  # shared-array shapes must be closure ints, not expressions
+    load, store, _ = CONVERTERS[dtype]
+    ZERO, NEG_INF = float32(0.0), float32(-math.inf)
+    F_LOG2E, F_LN2 = float32(LOG2E), float32(LN2)
+
+    def plain_fwd(q, k, v, mask, bias, kv_lengths, out, lse, n_q, group, qk_scale, left,
+                  right, bottom_right, msb, msh, msi, msj, bsb, bsh, bsi, bsj):
+        K_tile = cuda.shared.array((BLOCK_N, K_W), float32)
+        V_tile = cuda.shared.array((BLOCK_N, V_W), float32)
+        q_i = cuda.local.array(D, float32)
+        acc = cuda.local.array(DV, float32)
+        s = cuda.local.array(BLOCK_N, float32)
+
+        t = cuda.threadIdx.x
+        heads_q = out.shape[1]
+        b, h = cuda.blockIdx.y // heads_q, cuda.blockIdx.y % heads_q
+        hk = h // group  # grouped-query attention: query head h reads key head h // group
+        start_m = cuda.blockIdx.x * BLOCK_M
+        i = start_m + t  # this thread's query row
+        d, dv, kv_len = q.shape[3], v.shape[3], kv_lengths[b]
+        row_ok = i < n_q  # rows past the end still help load tiles and reach every barrier
+        lo, hi = key_range_device(i, n_q, kv_len, left, right, bottom_right)
+
+        for c in range(D):  # the row of Q, zero-padded to D
+            q_i[c] = load(q[b, h, i, c]) if row_ok and c < d else ZERO
+        m_i, l_i = NEG_INF, ZERO  # running max (log2 units) and sum of exp2(s - m_i)
+        for c in range(DV):
+            acc[c] = ZERO  # running sum of exp2(s - m_i) * v
+
+        for start_n in range(0, kv_len, BLOCK_N):
+            cuda.syncthreads()  # Barrier: every read of the previous K and V tiles is done.
+            for idx in range(t, BLOCK_N * D, BLOCK_M):  # K tile, zeros past kv_len and d
+                r, c = idx // D, idx % D
+                ok = start_n + r < kv_len and c < d
+                K_tile[r, c] = load(k[b, hk, start_n + r, c]) if ok else ZERO
+            for idx in range(t, BLOCK_N * DV, BLOCK_M):
+                r, c = idx // DV, idx % DV
+                ok = start_n + r < kv_len and c < dv
+                V_tile[r, c] = load(v[b, hk, start_n + r, c]) if ok else ZERO
+            cuda.syncthreads()  # Barrier: both tiles are complete.
+
+            # S = Q K^T * qk_scale (+ bias), log2 units; -inf where the row does not see j.
+            tile_max = NEG_INF
+            for jj in range(BLOCK_N):
+                j = start_n + jj
+                x = ZERO
+                for c in range(D):
+                    x += q_i[c] * K_tile[jj, c]
+                x *= qk_scale  # scaled before the mask: a scale <= 0 keeps -inf as -inf
+                seen = row_ok and j < kv_len and lo <= j and j < hi
+                if has_mask and seen:
+                    add = bias[b * bsb, h * bsh, i * bsi, j * bsj]
+                    seen = mask[b * msb, h * msh, i * msi, j * msj] != 0 and add != NEG_INF
+                    x += add * F_LOG2E
+                s[jj] = x if seen else NEG_INF
+                tile_max = max(tile_max, s[jj])
+
+            # The online softmax: rescale what was summed under the old max, add this tile.
+            m_new = max(m_i, tile_max)
+            m_safe = ZERO if m_new == NEG_INF else m_new  # no key seen yet: no exp2(-inf + inf)
+            alpha = math.exp2(m_i - m_safe)
+            l_i *= alpha
+            for c in range(DV):
+                acc[c] *= alpha
+            for jj in range(BLOCK_N):
+                if s[jj] != NEG_INF:  # a hidden key adds nothing: 0 * NaN would be NaN
+                    p = math.exp2(s[jj] - m_safe)
+                    l_i += p
+                    for c in range(DV):
+                        acc[c] += p * V_tile[jj, c]
+            m_i = m_new
+
+        if row_ok:  # out = acc / l_i; a row that saw no key: out = 0, lse = -inf
+            empty = l_i == ZERO
+            for c in range(dv):
+                out[b, h, i, c] = store(ZERO if empty else acc[c] / l_i)
+            lse[b, h, i] = NEG_INF if empty else (m_i + math.log2(l_i)) * F_LN2
+
+    return plain_fwd
