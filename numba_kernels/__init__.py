@@ -10,4 +10,5 @@ from .api import flash_attention, plain_attention
 from .launch import compile_times
 from .specs import MAX_HEAD_DIM, choose_spec, shipped_specs
 
-__all__ = ["flash_attention", "plain_attention", "choose_spec", "compile_times", "shipped_specs", "MAX_HEAD_DIM"]
+__all__ = ["flash_attention", "plain_attention", "choose_spec", "compile_times",
+           "shipped_specs", "MAX_HEAD_DIM"]
