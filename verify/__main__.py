@@ -1,8 +1,8 @@
 """python -m verify IMPL [--suite auto|quick|standard|full|scale] [--dtype ...] [--json PATH]
    python -m verify --replay CERTIFICATE.json [IMPL]
 
-IMPL: a built-in adapter (numba, reference, torch-math, torch-efficient, torch-flash,
-torch-cudnn, flash-attn, jax-xla, jax-cudnn) or MODULE:CALLABLE. Prints the report; writes the
+IMPL: a built-in adapter (numba, numba-plain, reference, torch-math, torch-efficient,
+torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn) or MODULE:CALLABLE. Prints the report; writes the
 JSON certificate with --json. --replay re-runs a certificate's failed cases with their seeds
 (against IMPL, or the implementation the certificate names). Exit code 0 only when the
 implementation passes; 2 for a bad command line.
