@@ -1,5 +1,7 @@
 """Without a GPU, the Numba kernel runs in the CUDA simulator (set before numba is imported).
 The PTX gate (tests/test_ptx.py) starts when collected, to run beside the other tests."""
+import os
+
 from verify.device import use_simulator_if_no_gpu
 
 use_simulator_if_no_gpu()
@@ -15,8 +17,10 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_collection_finish(session):
     from tests import test_ptx
 
-    if any(item.name == test_ptx.GATE_TEST for item in session.items):
-        # every core: the simulator tests share them, and no core idles at the end
+    if any(item.name == test_ptx.GATE_TEST for item in session.items) \
+            and "PYTEST_XDIST_WORKER" not in os.environ:
+        # every core: the simulator tests share them, and no core idles at the end. Under
+        # pytest-xdist (-n) the gate's own test starts it, last, in whichever worker runs it.
         test_ptx.start_gate()
 
 
