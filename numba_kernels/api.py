@@ -41,18 +41,11 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     idle (decoding). spec: a KernelSpec that forces one variant (for benchmarks); by default
     specs.choose_spec picks it.
     """
-    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
-                              kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
-    if max(pb.d, pb.dv) > MAX_HEAD_DIM:
-        raise ValueError(f"head dims D={pb.d}, Dv={pb.dv}: this kernel supports at most "
-                         f"{MAX_HEAD_DIM}")
     if num_splits is not None and (isinstance(num_splits, bool)
                                    or not isinstance(num_splits, (int, np.integer))
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be None or an integer >= 1, got {num_splits!r}")
-    io = _io_for(q, k, v, mask, bias, kv_lengths)
-    out = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.dv), pb.dtype)
-    lse = io.empty((pb.batch, pb.heads_q, pb.n_q), "float32")
+    pb, io, out, lse = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
     if pb.batch * pb.heads_q * pb.n_q > 0:  # else the outputs are empty: nothing to launch
         has_mask = mask is not None or bias is not None
         # Splitting depends on the tiles only, which do not depend on splitting.
@@ -69,10 +62,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
                 or spec.has_mask != has_mask or spec.partial != chosen.partial:
             raise ValueError(f"spec {spec} does not fit D={pb.d}, Dv={pb.dv}, {pb.dtype}, "
                              f"mask or bias={'yes' if has_mask else 'no'}, {n_splits} split(s)")
-        mask_dev, steps = io.mask(mask)
-        bias_dev, bias_steps = io.bias(bias)
-        lengths = io.lengths(np.asarray(row_lengths(pb, kv_lengths), np.int32),
-                             kv_lengths is not None)
+        mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
         if n_splits > 1:  # partial results, float32, split s of batch b at s * B + b
             dest = (io.empty((n_splits * pb.batch, pb.heads_q, pb.n_q, pb.dv), "float32"),
                     io.empty((n_splits * pb.batch, pb.heads_q, pb.n_q), "float32"))
@@ -82,8 +72,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
         launch(build_kernel(spec), spec, blocks, threads, io.stream,
                io.dev(q), io.dev(k), io.dev(v), mask_dev, bias_dev, lengths, io.dev(dest[0]),
                io.dev(dest[1]), pb.n_q, pb.d, pb.dv, pb.group, pb.heads_q, n_tiles, split_len,
-               np.float32(pb.scale * LOG2E), pb.left, pb.right, int(pb.bottom_right), *steps,
-               *bias_steps)
+               np.float32(pb.scale * LOG2E), pb.left, pb.right, int(pb.bottom_right), *steps)
         if n_splits > 1:
             elements = pb.batch * pb.heads_q * pb.n_q * pb.dv
             launch(build_merge(pb.dtype), pb.dtype, -(-elements // MERGE_THREADS),
@@ -96,10 +85,9 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
 MERGE_THREADS = 128
 
 
-def plain_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
-                    kv_lengths=None, window=None, return_lse=False):
-    """The plain kernel (plain_fwd.py: one thread per query row, for reading) with
-    flash_attention's arguments, checks and array handling. Slower; no split-KV."""
+def _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window):
+    """(problem, io, out, lse) of a call: the arguments checked against the contract and
+    this kernel's limits, the array handling for their kind, the empty outputs."""
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
     if max(pb.d, pb.dv) > MAX_HEAD_DIM:
@@ -108,19 +96,34 @@ def plain_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     io = _io_for(q, k, v, mask, bias, kv_lengths)
     out = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.dv), pb.dtype)
     lse = io.empty((pb.batch, pb.heads_q, pb.n_q), "float32")
+    return pb, io, out, lse
+
+
+def _side_inputs(io, pb, mask, bias, kv_lengths):
+    """(mask, bias, key counts) on the device, and the mask's then the bias's broadcast
+    steps: the kernels' arguments beside q, k and v."""
+    mask_dev, mask_steps = io.mask(mask)
+    bias_dev, bias_steps = io.bias(bias)
+    lengths = io.lengths(np.asarray(row_lengths(pb, kv_lengths), np.int32),
+                         kv_lengths is not None)
+    return mask_dev, bias_dev, lengths, mask_steps + bias_steps
+
+
+def plain_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
+                    kv_lengths=None, window=None, return_lse=False):
+    """The plain kernel (plain_fwd.py: one thread per query row, for reading) with
+    flash_attention's arguments, checks and array handling. Slower; no split-KV."""
+    pb, io, out, lse = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
     if pb.batch * pb.heads_q * pb.n_q > 0:
         width = pad(max(pb.d, pb.dv))
         has_mask = mask is not None or bias is not None
         block_m = plain_tiles(width)[0]
-        mask_dev, steps = io.mask(mask)
-        bias_dev, bias_steps = io.bias(bias)
-        lengths = io.lengths(np.asarray(row_lengths(pb, kv_lengths), np.int32),
-                             kv_lengths is not None)
+        mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
         launch(plain_kernel(width, width, pb.dtype, has_mask), ("plain", width, pb.dtype),
                (-(-pb.n_q // block_m), pb.batch * pb.heads_q), block_m, io.stream,
                io.dev(q), io.dev(k), io.dev(v), mask_dev, bias_dev, lengths, io.dev(out),
                io.dev(lse), pb.n_q, pb.group, np.float32(pb.scale * LOG2E), pb.left,
-               pb.right, int(pb.bottom_right), *steps, *bias_steps)
+               pb.right, int(pb.bottom_right), *steps)
     out, lse = io.result(out), io.result(lse)
     return (out, lse) if return_lse else out
 

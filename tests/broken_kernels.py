@@ -31,6 +31,7 @@ BUGS = {  # bug: (a case that must fail, a phrase its failure must contain)
     "nondeterministic": ("determinism (minimal)", "two runs"),
     "lse-log2": ("shape 65x33 [float32]", "lse: mismatched"),
     "head0-mask": ("mask per head (B, Hq, Nq, Nk)", "mismatched"),
+    "bias-ignored": ("bias per head (B, Hq, Nq, Nk)", "mismatched"),
     "hidden-v-times-zero": ("v:nan in keys some rows see (window=(3, 2))", "non-finite"),
     "scale-ignored": ("scale 1.0", "mismatched"),
     "max-before-scale": ("scale -0.25 + causal", "non-finite"),
@@ -80,6 +81,8 @@ def _forward(bug, q, k, v, scale, causal, mask, bias, kv_lengths, window):
         causal = "top_left" if causal == "bottom_right" else "bottom_right"
     if bug == "scale-ignored":
         scale = None
+    if bug == "bias-ignored":
+        bias = None
     if bug == "head0-mask" and mask is not None and mask.ndim == 4:
         mask = mask[:, :1]
     if bug == "index-wrap" and mask is not None:

@@ -156,22 +156,12 @@ CLAIMS = {
 }
 
 
-def coverage(supports, cases):
-    """{claimed capability: names of the claimed cases exercising it}."""
-    cov = {cap: [] for cap in supports.capabilities()}
-    for case in cases:
-        if supports.claims(case)[0]:
-            for cap in supports.exercised_by(case):
-                cov[cap].append(case.name)
-    return cov
-
-
 @pytest.mark.parametrize("suite", ["quick", "standard", "full"])
 @pytest.mark.parametrize("claims", list(CLAIMS))
 def test_every_claimed_capability_is_exercised(suite, claims):
     supports = CLAIMS[claims]
     cases = battery(suite, supports.dtypes, max_head_dim=supports.max_head_dim)
-    missing = [cap for cap, names in coverage(supports, cases).items() if not names]
+    missing = [cap for cap, names in supports.coverage(cases).items() if not names]
     assert not missing, f"verify bug: {claims} claims {missing}, which no {suite} case runs"
 
 

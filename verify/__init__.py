@@ -52,9 +52,6 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
             battery(suite, dtypes, max_head_dim=impl.supports.max_head_dim))]
     report = Report(impl.describe(), suite, seed, environment(impl), impl_spec=impl_spec,
                     battery_hash=battery_hash([c for c, _ in cases]))
-    if not explicit:
-        report.coverage = {cap: [] for cap in impl.supports.capabilities()  # this run's dtypes
-                           if not cap.startswith("dtype:") or cap[len("dtype:"):] in dtypes}
     t0, hung = time.perf_counter(), None
     for i, (case, case_seed) in enumerate(cases):
         if hung:
@@ -63,9 +60,6 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
             result = run_case(impl, case, case_seed)
             if result.verdict == "fail" and result.detail.startswith(HUNG):
                 hung = case.name
-        if result.verdict in ("pass", "fail") and not explicit:
-            for cap in impl.supports.exercised_by(case):
-                report.coverage[cap].append(case.name)
         report.cases.append(result)
         if progress:
             print(f"\r[{i + 1}/{len(cases)} {time.perf_counter() - t0:5.0f}s] "
@@ -75,6 +69,9 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
                 print(f"\n  {result.detail.splitlines()[0][:200]}", file=sys.stderr)
     if progress:
         print(file=sys.stderr)
+    if not explicit:  # what the cases that ran exercised, of this run's dtypes
+        report.coverage = impl.supports.coverage(
+            [r.case for r in report.cases if r.verdict in ("pass", "fail")], dtypes)
     report.costs = impl.costs_line()
     return report
 

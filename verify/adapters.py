@@ -70,6 +70,18 @@ class Supports:
                  if getattr(self, name)]
         return caps
 
+    def coverage(self, cases, dtypes=None):
+        """{claimed capability: names of the claimed cases among `cases` exercising it}; the
+        dtype capabilities only for `dtypes` when given (a run limited to some dtypes)."""
+        cov = {cap: [] for cap in self.capabilities()
+               if dtypes is None or not cap.startswith("dtype:")
+               or cap[len("dtype:"):] in dtypes}
+        for case in cases:
+            if self.claims(case)[0]:
+                for cap in self.exercised_by(case) & set(cov):
+                    cov[cap].append(case.name)
+        return cov
+
     def exercised_by(self, case):
         """The claimed capabilities a case (that is claimed) exercises."""
         caps = set(case.features())

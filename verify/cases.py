@@ -210,18 +210,20 @@ def sample_rows(case):
     return sorted(rows)
 
 
-def visibility(case, options):
-    """(B, Hq, Nq, Nk) True where a key is visible (the contract's definition)."""
+def visibility(case, options, q=None, k=None, v=None):
+    """(B, Hq, Nq, Nk) True where a key is visible (the contract's definition: key_range,
+    mask, bias != -inf), for a case's options; q, k, v default to stand-ins of its shapes."""
     from reference.contract import check_attention_args, dense_visible
 
-    stand_in = [np.broadcast_to(np.float32(0), s) for s in (
-        (case.B, case.Hq, case.Nq, case.D), (case.B, case.Hk, case.Nk, case.D),
-        (case.B, case.Hk, case.Nk, case.Dv))]
-    pb = check_attention_args(*stand_in, **options)
+    if q is None:
+        q, k, v = [np.broadcast_to(np.float32(0), s) for s in (
+            (case.B, case.Hq, case.Nq, case.D), (case.B, case.Hk, case.Nk, case.D),
+            (case.B, case.Hk, case.Nk, case.Dv))]
+    pb = check_attention_args(q, k, v, **options)
     keep = dense_visible(pb, options.get("mask"), options.get("kv_lengths"))
     if options.get("bias") is not None:
-        keep = keep & (options["bias"] != -np.inf)
-    return np.broadcast_to(keep, (case.B, case.Hq, case.Nq, case.Nk))
+        keep = keep & (np.asarray(options["bias"]) != -np.inf)
+    return np.broadcast_to(keep, (pb.batch, pb.heads_q, pb.n_q, pb.n_k))
 
 
 def _poison_hidden(case, k, v, options, value):

@@ -55,11 +55,11 @@ def batch_alone(impl, case, seed, inputs):
     q, k, v, options = inputs
     group = case.Hq // case.Hk
     differ = []
+    alone = type(case)(**dict(case.to_dict(), B=1, Hq=1, Hk=1, check=None))
     for b in range(case.B):
         for h in range(case.Hq):
             hk = h // group
             one = (q[b:b + 1, h:h + 1], k[b:b + 1, hk:hk + 1], v[b:b + 1, hk:hk + 1], options)
-            alone = type(case)(**dict(case.to_dict(), B=1, Hq=1, Hk=1, check=None))
             _, out1, lse1, _ = call_and_check(impl, alone, seed, one)
             same = np.array_equal(out1[0, 0], out[b, h]) and (
                 lse is None or np.array_equal(lse1[0, 0], lse[b, h]))
@@ -90,50 +90,87 @@ def _judge_alone(impl, case, seed, inputs, out, lse, where):
 def stream(impl, case, seed, inputs):
     """On a fresh non-default stream, the inputs are written only after a delay queued on
     that stream, then the kernel is called with that stream current, and its output is read
-    on that stream. Work launched elsewhere reads the inputs before they are written."""
-    if impl.array == "torch":
-        return _stream_torch(impl, case, inputs)
-    return _stream_cupy(impl, case, inputs)
-
-
-def _stream_torch(impl, case, inputs):
-    import torch
-
+    on that stream. Work launched elsewhere reads the inputs before they are written. All of
+    it in the calling thread (torch's current stream is per thread), under runner.call."""
+    gpu = _TorchStreams() if impl.array == "torch" else _CupyStreams()
     ready, kwargs = to_impl(impl, case, inputs)
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        args = [torch.full_like(x, float("nan")) for x in ready]
-        torch.cuda._sleep(SLEEP_CYCLES)
-        for a, x in zip(args, ready):
-            a.copy_(x)
-        result = impl.fn(*args, **kwargs)
-        result = tuple(r.clone() for r in result) if isinstance(result, tuple) else \
-            result.clone()
-    side.synchronize()
-    out, lse = unpack(impl, case, result, args)
+    gpu.synchronize()
+    side, box = gpu.stream(), {}
+
+    def run():
+        with gpu.current(side):
+            box["args"] = args = [gpu.nan_like(x) for x in ready]
+            gpu.sleep(SLEEP_CYCLES)
+            for a, x in zip(args, ready):
+                gpu.copy(a, x)
+            result = impl.fn(*args, **kwargs)
+            result = tuple(gpu.clone(r) for r in result) if isinstance(result, tuple) else \
+                gpu.clone(result)  # read on the caller's stream
+        side.synchronize()
+        return result
+
+    result = call(impl, ready, kwargs, run=run)
+    out, lse = unpack(impl, case, result, box["args"])
     return inputs, out, lse, []
 
 
-def _stream_cupy(impl, case, inputs):
-    import cupy
+class _TorchStreams:
+    def __init__(self):
+        import torch
 
-    spin = cupy.RawKernel(r'''extern "C" __global__ void spin(long long n) {
-        long long t = clock64(); while (clock64() - t < n) {} }''', "spin")
-    ready, kwargs = to_impl(impl, case, inputs)
-    cupy.cuda.Device().synchronize()
-    side = cupy.cuda.Stream(non_blocking=True)
-    with side:
-        args = [cupy.full_like(x, np.nan) for x in ready]
-        spin((1,), (1,), (np.int64(SLEEP_CYCLES),))
-        for a, x in zip(args, ready):
-            a[...] = x
-        result = impl.fn(*args, **kwargs)
-        result = tuple(r.copy() for r in result) if isinstance(result, tuple) else \
-            result.copy()
-    side.synchronize()
-    out, lse = unpack(impl, case, result, args)
-    return inputs, out, lse, []
+        self.torch = torch
+
+    def synchronize(self):
+        self.torch.cuda.synchronize()
+
+    def stream(self):
+        return self.torch.cuda.Stream()
+
+    def current(self, s):
+        return self.torch.cuda.stream(s)
+
+    def nan_like(self, x):
+        return self.torch.full_like(x, float("nan"))
+
+    def sleep(self, cycles):
+        self.torch.cuda._sleep(cycles)
+
+    def copy(self, dst, src):
+        dst.copy_(src)
+
+    def clone(self, x):
+        return x.clone()
+
+
+class _CupyStreams:
+    SPIN = r'''extern "C" __global__ void spin(long long n) {
+        long long t = clock64(); while (clock64() - t < n) {} }'''
+
+    def __init__(self):
+        import cupy
+
+        self.cupy = cupy
+
+    def synchronize(self):
+        self.cupy.cuda.Device().synchronize()
+
+    def stream(self):
+        return self.cupy.cuda.Stream(non_blocking=True)
+
+    def current(self, s):
+        return s
+
+    def nan_like(self, x):
+        return self.cupy.full_like(x, np.nan)
+
+    def sleep(self, cycles):
+        self.cupy.RawKernel(self.SPIN, "spin")((1,), (1,), (np.int64(cycles),))
+
+    def copy(self, dst, src):
+        dst[...] = src
+
+    def clone(self, x):
+        return x.copy()
 
 
 def out_buffer(impl, case, seed, inputs):

@@ -9,9 +9,8 @@ import traceback
 
 import numpy as np
 
-from reference.contract import check_attention_args, dense_visible
 from reference.dtypes import dtype_name, numpy_dtype, transported
-from .cases import make_inputs, sample_rows
+from .cases import make_inputs, sample_rows, visibility
 from .criterion import judge
 from .report import CaseResult
 
@@ -200,13 +199,14 @@ def _to_jax(x):
     return jnp.asarray(x)
 
 
-def call(impl, args, kwargs):
-    """impl.fn(*args, **kwargs) in a thread, so that a hang becomes a failure."""
+def call(impl, args, kwargs, run=None):
+    """impl.fn(*args, **kwargs), or run() when given, in a thread, so that a hang becomes a
+    failure and whatever it raises a failed case."""
     box = {}
 
     def target():
         try:
-            box["result"] = impl.fn(*args, **kwargs)
+            box["result"] = run() if run else impl.fn(*args, **kwargs)
             _synchronize(impl)
         except BaseException as e:  # noqa: BLE001 - everything a kernel raises is a result
             box["error"] = e
@@ -361,11 +361,7 @@ def bits(x):
 
 def empty_rows(q, k, v, options):
     """(B, Hq, Nq) True where a row sees no key (mask, bias -inf, causal, window, lengths)."""
-    pb = check_attention_args(q, k, v, **options)
-    keep = dense_visible(pb, options.get("mask"), options.get("kv_lengths"))
-    if options.get("bias") is not None:
-        keep = keep & (np.asarray(options["bias"]) != -np.inf)
-    return np.broadcast_to(~keep.any(axis=-1), (pb.batch, pb.heads_q, pb.n_q))
+    return ~visibility(None, options, q, k, v).any(axis=-1)
 
 
 def fully_masked_convention(out, q, k, v, empty, options):
