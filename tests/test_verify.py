@@ -291,6 +291,22 @@ def test_scale_suite_samples_catch_index_wrap(monkeypatch):
     assert sample_rows(small[0])[worst_row] >= 2**16 // 300
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_scale_suite_draws_are_cast_float32_normals(dtype):
+    """The scale suite's inputs: float32 normal draws per chunk, cast in the chunk's thread to
+    the case's dtype, the same on every call."""
+    from reference.dtypes import cast, numpy_dtype
+    from verify.cases import _normal
+
+    a = _normal(3, 1, (2, 3, 50), dtype, chunk=64)
+    assert a.dtype == numpy_dtype(dtype) and a.shape == (2, 3, 50)
+    assert np.array_equal(a, _normal(3, 1, (2, 3, 50), dtype, chunk=64))
+    streams = np.random.SeedSequence([3, 1]).spawn(5)
+    first = np.random.default_rng(streams[0]).standard_normal(64, dtype=np.float32)
+    assert np.array_equal(a.reshape(-1)[:64], cast(first, dtype))
+    assert not np.array_equal(a.reshape(-1)[:64], a.reshape(-1)[64:128])
+
+
 def test_scale_suite_skips_what_memory_cannot_hold(monkeypatch):
     import verify.runner as runner
     from verify.cases import scale_cases
@@ -353,3 +369,13 @@ def test_score_term_is_small_for_ordinary_scores():
         _, lse = reference.attention(q, k, v, return_lse=True, **options)
         assert 0 < score_rounding(lse, v) < 4 * first_term
     assert score_rounding(np.array([-np.inf, np.nan]), np.array([np.inf])) == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_finite_abs_max_skips_non_finite(dtype):
+    from verify.criterion import finite_abs_max
+
+    x = np.array([[1.0, -3.0], [np.inf, 2.0], [np.nan, -np.inf]], dtype)
+    assert finite_abs_max(x) == 3.0
+    assert finite_abs_max(x[:2, 1:]) == 2.0
+    assert finite_abs_max(np.full((2, 2), np.nan, dtype)) == 0.0

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from reference.dtypes import KERNEL_DTYPES, cast
+from reference.dtypes import KERNEL_DTYPES, cast, numpy_dtype
 
 SUITES = ("quick", "standard", "full", "scale")
 BIAS_KINDS = {  # kind: the bias's shape, what it holds
@@ -89,8 +89,8 @@ def make_inputs(case, seed):
     rng = np.random.default_rng(seed)
     shapes = [(case.B, case.Hq, case.Nq, case.D), (case.B, case.Hk, case.Nk, case.D),
               (case.B, case.Hk, case.Nk, case.Dv)]
-    if case.sampled:  # billions of elements: float32, drawn on every core
-        q, k, v = (_normal_float32(seed, i, s) for i, s in enumerate(shapes))
+    if case.sampled:  # billions of elements: drawn and cast on every core
+        q, k, v = (_normal(seed, i, s, case.dtype) for i, s in enumerate(shapes))
     else:
         q, k, v = (rng.standard_normal(s) for s in shapes)
     if case.values == "large":  # scores far beyond exp's range: needs the max subtraction
@@ -126,18 +126,20 @@ def make_inputs(case, seed):
 
 
 
-def _normal_float32(seed, which, shape, chunk=1 << 24):
-    """Standard normal float32 draws in chunks of `chunk` elements, each from its own stream
-    of SeedSequence(seed, which): the same values whatever the number of threads."""
+def _normal(seed, which, shape, dtype, chunk=1 << 24):
+    """Standard normal draws as dtype `dtype`, in chunks of `chunk` elements, each drawn in
+    float32 from its own stream of SeedSequence(seed, which) and cast in its thread: the same
+    values whatever the number of threads."""
     from concurrent.futures import ThreadPoolExecutor
 
-    out = np.empty(int(np.prod(shape)), np.float32)
+    out = np.empty(int(np.prod(shape)), numpy_dtype(dtype))
     starts = range(0, out.size, chunk)
     streams = np.random.SeedSequence([seed, which]).spawn(len(starts))
 
     def fill(i):
-        part = out[starts[i]:starts[i] + chunk]
-        np.random.default_rng(streams[i]).standard_normal(out=part, dtype=np.float32)
+        draws = np.random.default_rng(streams[i]).standard_normal(
+            min(chunk, out.size - starts[i]), dtype=np.float32)
+        out[starts[i]:starts[i] + chunk] = cast(draws, dtype)
 
     with ThreadPoolExecutor() as pool:
         list(pool.map(fill, range(len(starts))))

@@ -119,8 +119,12 @@ def finite_abs_max(x):
     step = max(1, (1 << 24) // max(1, x.shape[-1]))
     best = 0.0
     for i in range(0, x.shape[0], step):
-        part = np.abs(x[i:i + step].astype(np.float64))
-        best = max(best, float(part[np.isfinite(part)].max(initial=0.0)))
+        part = x[i:i + step]
+        top = float(np.abs(part).max(initial=0))  # exact in the array's own dtype
+        if not np.isfinite(top):  # some inf or NaN: the finite elements alone
+            part = np.abs(part.astype(np.float64))
+            top = float(part[np.isfinite(part)].max(initial=0.0))
+        best = max(best, top)
     return best
 
 
