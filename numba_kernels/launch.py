@@ -13,12 +13,14 @@ flattened parameter list.
 The first call of a layout goes through Numba's own launch, which compiles the variant when it
 is new; a later call with the same layout only writes the tensors' data pointers into a copy of
 the list and launches through cuda.core, as Numba itself does. NumPy, CuPy and Numba device
-arrays, and every call in the simulator, take Numba's launch each time.
+arrays, and every call in the simulator, take Numba's launch each time. What this needs of
+Numba's internals is in numba_internals.py, and only there.
 """
 import time
 
 from numba import cuda
 
+from . import numba_internals
 from .convert import SIMULATOR
 
 # What compiling took in this process: KernelSpec (or merge dtype) -> seconds.
@@ -27,6 +29,7 @@ COMPILE_SECONDS = {}
 FAST_LAUNCHES = [0]
 MAX_PLANS = 4096
 _PLANS = {}  # layout -> _Plan, or None where a layout cannot take the fast path
+MAX_STREAMS = 256
 _CORE_STREAMS = {}  # Numba stream handle -> cuda.core Stream
 
 
@@ -69,10 +72,10 @@ def _numba_launch(kernel, key, blocks, threads, stream, args):
 
 
 def _cuda_core():
-    """cuda.core's launch API (Numba launches through it too)."""
-    from cuda.core import LaunchConfig, Stream, launch
+    """cuda.core's launch configuration and stream types (Numba launches through it too)."""
+    from cuda.core import LaunchConfig, Stream
 
-    return LaunchConfig, Stream, launch
+    return LaunchConfig, Stream
 
 
 def _handle(stream):
@@ -87,37 +90,32 @@ class _Plan:
     """A compiled kernel's function, launch configuration and flattened parameters, with the
     positions of the data pointers to fill in at each launch."""
 
-    def __init__(self, launch, function, config, stream, params, pointer_slots):
-        self._launch, self.function, self.config, self.stream = launch, function, config, stream
+    def __init__(self, function, config, stream, params, pointer_slots):
+        self.function, self.config, self.stream = function, config, stream
         self.params, self.pointer_slots = params, pointer_slots
 
     @classmethod
     def build(cls, kernel, blocks, threads, stream, devs, tensors):
-        """The plan for the launch just made with `devs`, or None where this numba-cuda does
-        not have the internals it needs (then every call takes Numba's launch)."""
+        """The plan for the launch just made with `devs`, or None where numba-cuda's internals
+        are not as numba_internals expects (then every call takes Numba's launch, and the
+        first such call warns)."""
         try:
-            LaunchConfig, Stream, launch = _cuda_core()
-            compiled = kernel.overloads[tuple(kernel.typeof_pyval(a) for a in devs)]
-            params, slots = [], []
-            for i, (ty, value) in enumerate(zip(compiled.argument_types, devs)):
-                start = len(params)
-                compiled._prepare_args(ty, value, stream, [], params)
-                if i in tensors:  # meminfo, parent, size, itemsize, data, shape, strides
-                    if params[start + 4] != value.device_ctypes_pointer.value:
-                        return None
-                    slots.append((start + 4, i))
-            function = compiled._codelibrary.get_cufunc().kernel
-            handle = _handle(stream)
-            core_stream = _CORE_STREAMS.get(handle)
-            if core_stream is None:
-                core_stream = _CORE_STREAMS[handle] = Stream.from_handle(handle)
-        except (AttributeError, ImportError, KeyError, TypeError):
+            function, params, slots = numba_internals.flatten(kernel, devs, stream, tensors)
+            LaunchConfig, Stream = _cuda_core()
+        except (numba_internals.InternalsChanged, ImportError) as e:
+            numba_internals.warn_fallback(str(e))
             return None
-        return cls(launch, function, LaunchConfig(grid=blocks, block=threads, shmem_size=0),
+        handle = _handle(stream)
+        core_stream = _CORE_STREAMS.get(handle)
+        if core_stream is None:
+            if len(_CORE_STREAMS) >= MAX_STREAMS:
+                _CORE_STREAMS.clear()
+            core_stream = _CORE_STREAMS[handle] = Stream.from_handle(handle)
+        return cls(function, LaunchConfig(grid=blocks, block=threads, shmem_size=0),
                    core_stream, params, slots)
 
     def launch(self, args):
         params = list(self.params)
         for slot, i in self.pointer_slots:
             params[slot] = args[i].data_ptr()
-        self._launch(self.stream, self.config, self.function, *params)
+        numba_internals.launch_flat(self.config, self.stream, self.function, params)

@@ -3,9 +3,7 @@
 Tile sizes are bounded by static shared memory (48 KB a block, see KernelSpec.shared_bytes):
 the Q tile and the K tile are D words per row, so larger head dims take smaller tiles.
 """
-from contextlib import contextmanager
 from functools import lru_cache
-from types import SimpleNamespace
 
 from numba import cuda, float32, int16, int32, int64, uint8
 from numba.types import float16
@@ -59,7 +57,7 @@ def pad(n):
     return next(d for d in HEAD_DIMS if d >= n)
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=4096)
 def choose_spec(d, dv, dtype, has_mask, partial=False):
     """The variant for head dims d, dv (unpadded), input dtype, whether a mask or a bias is
     given (has_mask), and whether it writes float32 partial results for split-KV
@@ -149,8 +147,8 @@ def launch_grid(n_q, batch, heads_q, spec, n_splits=1):
 def compile_ptx(spec, cc=(9, 0), layout="A"):
     """PTX of a kernel variant (a KernelSpec) for array layout "A" or "C" (see signature), or
     of the merge kernel for a dtype (a str), for compute capability cc, compiled on any machine
-    (no GPU needed). For the ptxas report (ptx_report.py), in a process of its own: see
-    _device_functions_for."""
+    (no GPU needed) inside numba_internals.compiling_for(cc): for the ptxas report
+    (ptx_report.py), in processes of its own."""
     if isinstance(spec, str):
         fn, sig = merge_source(spec), merge_signature(spec)
     elif isinstance(spec, PlainSpec):
@@ -158,22 +156,4 @@ def compile_ptx(spec, cc=(9, 0), layout="A"):
         sig = plain_signature(spec)
     else:
         fn, sig = kernel_source(spec), signature(spec, layout)
-    with _device_functions_for(cc):
-        return cuda.compile_ptx(fn, sig, cc=cc, fastmath=FASTMATH)[0]
-
-
-@contextmanager
-def _device_functions_for(cc):
-    """numba-cuda compiles the device functions a kernel calls (convert.device_function) for
-    the compute capability of the current GPU, which a CPU machine does not have: inside this
-    block they are compiled for cc instead. Each device function keeps what it compiled for the
-    rest of the process, so a process that launches kernels should not compile PTX for another
-    compute capability than its GPU's."""
-    import numba.cuda.dispatcher as dispatcher
-
-    current = dispatcher.get_current_device
-    dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=tuple(cc))
-    try:
-        yield
-    finally:
-        dispatcher.get_current_device = current
+    return cuda.compile_ptx(fn, sig, cc=cc, fastmath=FASTMATH)[0]

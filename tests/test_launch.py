@@ -1,17 +1,26 @@
-"""numba_kernels/launch.py: the cached launch plan of torch calls, on the CPU.
+"""numba_kernels/launch.py and numba_internals.py: the cached launch plan of torch calls, on
+the CPU.
 
 The real path needs a GPU (scripts/dev/gpu_check.py runs every battery case through it). Here Numba's
 dispatcher, its compiled kernel and cuda.core's launch are stand-ins with the same interface,
 so the plan's bookkeeping is tested: the first call of a layout goes through Numba and builds
 a plan; later calls launch with their own tensors' pointers; another layout gets another plan;
-where the internals are missing every call goes through Numba.
+where the internals are missing every call goes through Numba, with one warning. The
+flattening itself is tested against numba-cuda's real _Kernel._prepare_args and device arrays.
 """
 import ctypes
-from types import SimpleNamespace
+import os
+import subprocess
+import sys
+import threading
+from types import MethodType, SimpleNamespace
 
+import numpy as np
 import pytest
 
-from numba_kernels import launch
+from numba_kernels import launch, numba_internals
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Tensor:
@@ -84,9 +93,12 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(launch, "_PLANS", {})
     monkeypatch.setattr(launch, "_CORE_STREAMS", {})
     monkeypatch.setattr(launch.cuda, "as_cuda_array", DeviceArray, raising=False)
+    monkeypatch.setattr(numba_internals, "PROBLEM", None)
+    monkeypatch.setattr(numba_internals, "_WARNED", [])
     monkeypatch.setattr(launch, "_cuda_core", lambda: (
-        lambda **kw: kw, SimpleNamespace(from_handle=lambda handle: ("stream", handle)),
-        lambda stream, config, fn, *params: fast.append((stream, fn, config, list(params)))))
+        lambda **kw: kw, SimpleNamespace(from_handle=lambda handle: ("stream", handle))))
+    monkeypatch.setattr(numba_internals, "launch_flat", lambda config, stream, fn, params:
+                        fast.append((stream, fn, config, list(params))))
     return fast
 
 
@@ -122,6 +134,102 @@ def test_another_layout_goes_through_numba_again(fake_gpu, change):
 
 def test_without_the_internals_every_call_takes_numbas_launch(fake_gpu):
     kernel = Dispatcher(internals=False)  # a compiled version without _prepare_args
-    for ptr in (100, 300, 500):
-        launch.launch(kernel, "k", 8, 64, STREAM, Tensor(ptr), 5)
+    with pytest.warns(numba_internals.FastLaunchOff, match="fast launch is off") as warned:
+        for ptr, shape in ((100, (2, 3)), (300, (2, 3)), (500, (4, 3))):
+            launch.launch(kernel, "k", 8, 64, STREAM, Tensor(ptr, shape), 5)
     assert [c[0] for c in kernel.numba_calls] == [100, 300, 500] and fake_gpu == []
+    assert len(warned) == 1  # once a process, not once a layout
+
+
+def test_a_changed_internal_turns_the_fast_launch_off(fake_gpu, monkeypatch):
+    monkeypatch.setattr(numba_internals, "PROBLEM", "_Kernel._prepare_args takes [...]")
+    kernel = Dispatcher()
+    with pytest.warns(numba_internals.FastLaunchOff, match="_prepare_args takes"):
+        for ptr in (100, 300):
+            launch.launch(kernel, "k", 8, 64, STREAM, Tensor(ptr), 5)
+    assert len(kernel.numba_calls) == 2 and fake_gpu == []
+
+
+def test_numbas_real_internals_outside_the_simulator():
+    """The import check and the flattening against numba-cuda itself (its _Kernel, its device
+    arrays), in a process of their own: this one may run in the simulator."""
+    pytest.importorskip("cuda.core", reason="needs numba-cuda's CUDA bindings (ptx extra)")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    run = subprocess.run([sys.executable, "-c", "import tests.test_launch as t; "
+                          "t.real_import_check(); t.real_flattening((12, 4)); "
+                          "t.real_flattening((4, 8)); print('ok')"],
+                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+
+
+def real_import_check():
+    from numba.cuda.dispatcher import _Kernel
+
+    assert numba_internals.PROBLEM is None, numba_internals.PROBLEM
+    assert numba_internals.numba_cuda_version() in numba_internals.TESTED_WITH
+    real = _Kernel._prepare_args
+    _Kernel._prepare_args = lambda self, ty, val, stream, params: None
+    try:
+        assert "_prepare_args takes" in numba_internals._check()
+    finally:
+        _Kernel._prepare_args = real
+
+
+def real_flattening(strides):
+    """Numba's flattening of arrays (meminfo, parent, size, itemsize, data, shape, strides)
+    and scalars, with real Numba device arrays over stand-in device memory: the data pointer
+    slots found are where each array's pointer is."""
+    from numba.cuda import types
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+    from numba.cuda.dispatcher import _Kernel
+
+    def device_array(ptr):
+        memory = SimpleNamespace(device_ctypes_pointer=ctypes.c_void_p(ptr))
+        return DeviceNDArray((2, 3), strides, np.float32, gpu_data=memory)
+
+    array = types.Array(types.float32, 2, "A")
+    compiled = SimpleNamespace(
+        argument_types=(array, types.int32, array, types.float32),
+        _prepare_args=MethodType(_Kernel._prepare_args, SimpleNamespace(extensions=[])),
+        _codelibrary=SimpleNamespace(get_cufunc=lambda: SimpleNamespace(kernel="fn")))
+    devs = (device_array(0x7F0000001000), 7, device_array(0x7F0000002000), 0.5)
+    kernel = SimpleNamespace(overloads={("a", int, "a", float): compiled},
+                             typeof_pyval=lambda a: "a" if hasattr(a, "gpu_data") else type(a))
+    function, params, slots = numba_internals.flatten(kernel, devs, 0, {0, 2})
+    assert function == "fn" and slots == [(4, 0), (14, 2)], slots
+    assert params[:9] == [0, 0, 6, 4, 0x7F0000001000, 2, 3, *strides], params
+    assert params[9].value == 7 and params[14] == 0x7F0000002000
+    assert params[19].value == 0.5
+
+
+def test_each_thread_binds_numbas_context_before_its_first_fast_launch(monkeypatch):
+    """A thread that never touched CUDA through Numba has no current context; the driver
+    refuses a launch there (seen on the H200: CUDA_ERROR_INVALID_CONTEXT)."""
+    core = pytest.importorskip("cuda.core")
+    bound, launched = [], []
+    monkeypatch.setattr(numba_internals, "_BOUND", threading.local())
+    monkeypatch.setattr(launch.cuda, "current_context",
+                        lambda: bound.append(threading.get_ident()), raising=False)
+    monkeypatch.setattr(core, "launch", lambda stream, config, fn, *p: launched.append(p))
+
+    def two_launches():
+        for _ in range(2):
+            numba_internals.launch_flat("config", "stream", "fn", [1, 2])
+
+    two_launches()
+    thread = threading.Thread(target=two_launches)
+    thread.start()
+    thread.join()
+    assert len(launched) == 4 and len(bound) == 2 and bound[0] != bound[1]
+
+
+def test_pyproject_pins_the_tested_numba_cuda_versions():
+    """pyproject.toml's numba-cuda range and numba_internals.TESTED_WITH say the same."""
+    import re
+
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        pins = set(re.findall(r'numba-cuda(?:\[\w+\])?>=([\d.]+),<([\d.]+)"', f.read()))
+    assert len(pins) == 1, pins  # one range, in the dependencies and every extra
+    low, high = (tuple(int(p) for p in v.split(".")) for v in pins.pop())
+    for version in numba_internals.TESTED_WITH:
+        assert low <= tuple(int(p) for p in version.split(".")) < high, version
