@@ -57,7 +57,8 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
         if hung:
             result = CaseResult(case, case_seed, "skipped", f"not run: {hung!r} hung")
         else:
-            result = run_case(impl, case, case_seed)
+            result = run_case(impl, case, case_seed, say=_progress_line(
+                i, len(cases), t0, case) if progress else None)
             if result.verdict == "fail" and result.detail.startswith(HUNG):
                 hung = case.name
         report.cases.append(result)
@@ -67,6 +68,8 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
                   flush=True)
             if result.verdict == "fail":  # the first line now; the whole detail in the report
                 print(f"\n  {result.detail.splitlines()[0][:200]}", file=sys.stderr)
+            if case.sampled and "phases: " in result.detail:
+                print("\n  " + result.detail.splitlines()[-1], file=sys.stderr)
     if progress:
         print(file=sys.stderr)
     if not explicit:  # what the cases that ran exercised, of this run's dtypes
@@ -74,6 +77,13 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
             [r.case for r in report.cases if r.verdict in ("pass", "fail")], dtypes)
     report.costs = impl.costs_line()
     return report
+
+
+def _progress_line(i, n, t0, case):
+    def say(phase):
+        print(f"\r[{i + 1}/{n} {time.perf_counter() - t0:5.0f}s] {phase[:22]:22s}... "
+              f"{case.name[:38]:38s}", end="", file=sys.stderr, flush=True)
+    return say
 
 
 def _spec(fn):

@@ -19,7 +19,9 @@ class Fail(Exception):
     """What the kernel did wrong, as the case's detail."""
 
 
-def run_case(impl, case, seed):
+def run_case(impl, case, seed, say=None):
+    """The CaseResult of one case. say(message): progress within a scale-suite case (drawing
+    billions of inputs and the truth take minutes), whose phases' times go into its detail."""
     claimed, missing = impl.supports.claims(case)
     if not claimed:
         return CaseResult(case, seed, "not claimed", f"needs {missing}")
@@ -31,7 +33,10 @@ def run_case(impl, case, seed):
     short = memory_shortfall(impl, case) if case.sampled else None
     if short:
         return CaseResult(case, seed, "skipped", short)
+    phases = _Phases(say if case.sampled else None)
+    phases.start("drawing the inputs")
     inputs = make_inputs(case, seed)
+    phases.start("calling")
     t0 = time.perf_counter()
     try:
         run = CHECK_RUNNERS[case.check] if case.check else call_and_check
@@ -40,7 +45,31 @@ def run_case(impl, case, seed):
         if case.sampled and "out of memory" in str(e).lower():
             return CaseResult(case, seed, "skipped", f"not run to the end: {e}")
         return CaseResult(case, seed, "fail", str(e), seconds=time.perf_counter() - t0)
-    return judge_result(impl, case, seed, inputs, out, lse, notes, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    phases.start(f"the truth on {len(sample_rows(case)) if case.sampled else case.Nq} rows")
+    result = judge_result(impl, case, seed, inputs, out, lse, notes, seconds)
+    if case.sampled:
+        result.detail = "\n".join(filter(None, [result.detail, phases.end()]))
+    return result
+
+
+class _Phases:
+    """Seconds spent in each phase of a case, announced through say as each starts."""
+
+    def __init__(self, say):
+        self.say, self.times, self.name, self.t0 = say, [], None, None
+
+    def start(self, name):
+        now = time.perf_counter()
+        if self.name:
+            self.times.append((self.name, now - self.t0))
+        self.name, self.t0 = name, now
+        if self.say and name:
+            self.say(name)
+
+    def end(self):
+        self.start(None)
+        return "phases: " + ", ".join(f"{name} {t:.0f} s" for name, t in self.times)
 
 
 def memory_shortfall(impl, case):
