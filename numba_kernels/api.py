@@ -10,9 +10,9 @@ from numba import cuda
 from reference.contract import check_attention_args, row_lengths
 from reference.dtypes import TRANSPORT, numpy_dtype, transported
 from .convert import SIMULATOR
-from .flash_fwd import LOG2E
+from .flash_fwd import LOG2E, kernel_args
 from .launch import launch
-from .plain_fwd import plain_kernel, plain_tiles
+from .plain_fwd import PLAIN_ARG_NAMES, plain_kernel, plain_tiles
 from .specs import (DTYPES, MAX_HEAD_DIM, build_kernel, build_merge, choose_spec, launch_grid,
                     pad)
 from .split_kv import choose_splits, split_layout
@@ -69,10 +69,11 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
         else:
             dest = (out, lse)
         blocks, threads, n_tiles = launch_grid(pb.n_q, pb.batch, pb.heads_q, spec, n_splits)
-        launch(build_kernel(spec), spec, blocks, threads, io.stream,
-               io.dev(q), io.dev(k), io.dev(v), mask_dev, bias_dev, lengths, io.dev(dest[0]),
-               io.dev(dest[1]), pb.n_q, pb.d, pb.dv, pb.group, pb.heads_q, n_tiles, split_len,
-               np.float32(pb.scale * LOG2E), pb.left, pb.right, int(pb.bottom_right), *steps)
+        launch(build_kernel(spec), spec, blocks, threads, io.stream, *kernel_args(
+            q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, bias=bias_dev,
+            kv_lengths=lengths, out=io.dev(dest[0]), lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d,
+            dv=pb.dv, group=pb.group, heads_q=pb.heads_q, n_tiles=n_tiles,
+            split_len=split_len, **_band(pb), **steps))
         if n_splits > 1:
             elements = pb.batch * pb.heads_q * pb.n_q * pb.dv
             launch(build_merge(pb.dtype), pb.dtype, -(-elements // MERGE_THREADS),
@@ -100,13 +101,20 @@ def _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window):
 
 
 def _side_inputs(io, pb, mask, bias, kv_lengths):
-    """(mask, bias, key counts) on the device, and the mask's then the bias's broadcast
-    steps: the kernels' arguments beside q, k and v."""
+    """(mask, bias, key counts) on the device, and {mask_steps, bias_steps}: the kernels'
+    arguments beside q, k and v."""
     mask_dev, mask_steps = io.mask(mask)
     bias_dev, bias_steps = io.bias(bias)
     lengths = io.lengths(np.asarray(row_lengths(pb, kv_lengths), np.int32),
                          kv_lengths is not None)
-    return mask_dev, bias_dev, lengths, mask_steps + bias_steps
+    return mask_dev, bias_dev, lengths, dict(mask_steps=mask_steps, bias_steps=bias_steps)
+
+
+def _band(pb):
+    """The kernels' scale and band arguments: qk_scale (log2 units), left, right,
+    bottom_right (the contract's key_range)."""
+    return dict(qk_scale=np.float32(pb.scale * LOG2E), left=pb.left, right=pb.right,
+                bottom_right=int(pb.bottom_right))
 
 
 def plain_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
@@ -121,9 +129,10 @@ def plain_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
         mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
         launch(plain_kernel(width, width, pb.dtype, has_mask), ("plain", width, pb.dtype),
                (-(-pb.n_q // block_m), pb.batch * pb.heads_q), block_m, io.stream,
-               io.dev(q), io.dev(k), io.dev(v), mask_dev, bias_dev, lengths, io.dev(out),
-               io.dev(lse), pb.n_q, pb.group, np.float32(pb.scale * LOG2E), pb.left,
-               pb.right, int(pb.bottom_right), *steps)
+               *kernel_args(PLAIN_ARG_NAMES, q=io.dev(q), k=io.dev(k), v=io.dev(v),
+                            mask=mask_dev, bias=bias_dev, kv_lengths=lengths,
+                            out=io.dev(out), lse=io.dev(lse), n_q=pb.n_q, group=pb.group,
+                            **_band(pb), **steps))
     out, lse = io.result(out), io.result(lse)
     return (out, lse) if return_lse else out
 

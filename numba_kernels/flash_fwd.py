@@ -1,32 +1,51 @@
 """The FlashAttention-2 forward kernel, one thread block per (BLOCK_M query rows, batch, head).
 
-Read it beside reference/tiled.py: same algorithm, same names (m_i, l_i, acc, alpha, qk_scale).
-What the tiled reference does with whole-tile NumPy operations, a block does here with
+Read it beside reference/tiled.py (and first numba_kernels/plain_fwd.py, the same algorithm
+written plainly): same algorithm, same names (start_m, start_n, first, last, m_i, l_i, acc,
+alpha, m_new, m_safe, qk_scale; a tile's end, the reference's end_n, is start_n + n_keys
+here). kernel_source, at the end, is the kernel; it calls named device
+functions in the algorithm's order:
+
+    load_q          the block's Q tile into shared memory, once
+    init_rows       m_i = -inf, l_i = 0, acc = 0; each row's visible keys lo <= j < hi
+    key_tiles       the key tiles first .. last any row of the block sees
+    for each key tile start_n ..:
+        load_k          the K tile
+        scores          S = Q K^T, the thread's micro-tile
+        scale_and_mask  S * qk_scale (+ bias), -inf where hidden; the thread's row maxima
+        online_softmax  m_new, alpha, P = exp2(S - m_new), l_i and acc rescaled
+        load_v          the V tile (in K's words)
+        pv              acc += P V (pv_seen_keys where V holds NaN or inf)
+    store_out       out = acc / l, lse
+
+What the tiled reference does with whole-tile NumPy operations, a block does with
 THREADS = THREADS_M * THREADS_N threads, each owning a register micro-tile:
 
     rows  ty + i * THREADS_M   for i < TM    (TM = BLOCK_M / THREADS_M)
     keys  tx + j * THREADS_N   for j < TN    (S = Q K^T, TN = BLOCK_N / THREADS_N)
-    cols  (j // VV) * THREADS_N * VV + tx * VV + j % VV    for j < TV
-                                             (O = P V,   TV = DV / THREADS_N, VV = 4 where
-                                              4 divides TV, else 1)
+    cols  (j // V_GROUP) * THREADS_N * V_GROUP + tx * V_GROUP + j % V_GROUP    for j < TV
+                                  (O = P V, TV = DV / THREADS_N, V_GROUP = 4 where 4 divides
+                                   TV, else 1)
 
 Per key tile a thread does TM * TN * D + TM * TV * BLOCK_N fused multiply-adds, reading
 (TM + TN) * D + TM * BLOCK_N + TV * BLOCK_N words of shared memory, mostly four at a time
 (128-bit loads, convert.load4): the micro-tile is what keeps the arithmetic ahead of the
 shared-memory loads.
 
-Shared memory: one float32 array (low-precision inputs are converted once, on load), carved
-by KernelSpec.offsets, every tile row-major, widths from KernelSpec.widths:
+Shared memory: one float32 array `words` (low-precision inputs are converted once, on load),
+carved by KernelSpec.offsets, every tile row-major, widths from KernelSpec.widths:
     Q     (BLOCK_M, D + 4), loaded once; at the end the output tile (BLOCK_M, DV + 1), for
           coalesced stores
     K, V  (BLOCK_N, D + 4), then the V tile (BLOCK_N, DV) in the same words
     P     (BLOCK_M, BLOCK_N + 4)
     stats (BLOCK_M, THREADS_N): each thread's part of its rows' max, at the end of their sums
-S takes eight head-dim columns a step from a row of Q and a row of K (two 128-bit loads each);
-P V takes four keys a step from a row of P, and for each key a thread's output columns of V,
-four side by side.
+S takes eight head-dim columns a step from a row of Q and a row of K (two 128-bit loads
+each); P V takes four keys a step from a row of P (one 128-bit load), and for each key a
+thread's output columns of V, four side by side.
 
-All sizes are closure ints of the factory: the CUDA compiler needs literal shared-array shapes.
+All sizes are closure ints of the factories (sizes(spec)): the CUDA compiler needs literal
+shared-array shapes. Device functions are inlined (convert.device_function), so the local
+arrays they share with the kernel stay in registers.
 """
 import math
 from dataclasses import dataclass
@@ -45,6 +64,8 @@ STATIC_SHARED_LIMIT = 48 * 1024  # bytes; above it numba-cuda needs dynamic shar
 VEC = 4  # float32 words a 128-bit shared load takes (convert.load4)
 
 key_range_device = device_function(key_range)  # the contract's own code
+# The kernel's parts: inlined device functions with the kernel's fastmath flags.
+kernel_part = device_function(fastmath=FASTMATH)
 
 
 @dataclass(frozen=True)
@@ -170,262 +191,440 @@ def tile_loader(load, ROWS, COLS, THREADS, WIDTH, MAX_BATCH):
     return load_tile
 
 
-def kernel_source(spec):
-    """The kernel as a Python function, for cuda.jit or cuda.compile_ptx."""
-    spec.check()
-    BLOCK_M, BLOCK_N, D, DV = spec.block_m, spec.block_n, spec.d, spec.dv
-    THREADS_M, THREADS_N, THREADS = spec.threads_m, spec.threads_n, spec.threads
-    TM, TN, TV = BLOCK_M // THREADS_M, BLOCK_N // THREADS_N, DV // THREADS_N
-    VV = VEC if TV % VEC == 0 else 1  # output columns a thread owns side by side
-    VEC2 = 2 * VEC  # S takes two load4s a row a step
-    Q_W, K_W, V_W, P_W, O_W = spec.widths
-    Q_AT, KV_AT, P_AT, STAT_AT = (uint64(x) for x in spec.offsets[:4])
-    SHARED_WORDS = spec.offsets[4]
-    HAS_MASK = spec.has_mask
-    load, store, _ = CONVERTERS[spec.dtype]
-    if spec.partial:  # split-KV partial results stay float32 until the merge
-        store = CONVERTERS["float32"][1]
-    # Each batch of tile loads waits for global memory once; larger batches cost registers
-    # (specs.LOAD_BATCH chooses them per variant).
-    load_q = tile_loader(load, BLOCK_M, D, THREADS, Q_W, spec.qk_load_batch)
-    load_k = tile_loader(load, BLOCK_N, D, THREADS, K_W, spec.qk_load_batch)
-    load_v = tile_loader(load, BLOCK_N, DV, THREADS, V_W, spec.v_load_batch)
-    ZERO, NEG_INF = float32(0.0), float32(-math.inf)
-    F_LN2, F_LOG2E = float32(LN2), float32(LOG2E)
-    U = uint64  # shared-memory indices are unsigned: see uty below
+# The kernel's arguments, in order: the one description from which its parameter list
+# (checked when it is built), its Numba types (specs.signature) and every launch's argument
+# tuple (kernel_args) come. kind names a Numba type in specs.ARG_TYPES.
+ARGS = (
+    ("q", "input", "(B, Hq, Nq, D) queries"),
+    ("k", "input", "(B, Hk, Nk, D) keys"),
+    ("v", "input", "(B, Hk, Nk, DV) values"),
+    ("mask", "mask", "uint8, 0 hides a key; broadcast by zero strides (all ones if none)"),
+    ("bias", "bias", "float32, added to the scores (natural log); broadcast likewise"),
+    ("kv_lengths", "lengths", "(B,) int32: the keys each batch element has"),
+    ("out", "output", "(B, Hq, Nq, DV); with split-KV (splits * B, ...) float32 partials"),
+    ("lse", "lse", "(B, Hq, Nq) float32, natural log; with split-KV (splits * B, ...)"),
+    ("n_q", "int", "query rows"),
+    ("d", "int", "head dim of q and k before padding to D"),
+    ("dv", "int", "head dim of v before padding to DV"),
+    ("group", "int", "query heads per key head (grouped-query attention)"),
+    ("heads_q", "int", "query heads"),
+    ("n_tiles", "int", "query tiles of BLOCK_M rows per (batch, head)"),
+    ("split_len", "int", "keys per split (split-KV); without it, at least Nk"),
+    ("qk_scale", "float", "the contract's scale times log2(e): scores in log2 units"),
+    ("left", "int", "key_range's window to the left (-1: none)"),
+    ("right", "int", "key_range's window to the right (-1: none)"),
+    ("bottom_right", "int", "1: the causal band and window align to the last key"),
+    ("mask_steps", "steps", "index multipliers of mask over (batch, head, row, key): 0 where it "
+     "broadcasts, else 1"),
+    ("bias_steps", "steps", "the same for bias"),
+)
+ARG_NAMES = tuple(name for name, _, _ in ARGS)
 
-    @device_function
-    def masked_score(x, mask, bias, b, h, row, col, lo, hi, interior, n_q, msb, msh, msi,
-                     msj, bsb, bsh, bsi, bsj):
-        """x (a scaled score, log2 units) plus the bias if query row `row` sees key `col`, else
-        -inf (contract: key_range, the boolean mask, bias != -inf). Selected, not added: a
-        NaN score of a hidden key must vanish."""
+
+def kernel_args(names=ARG_NAMES, **values):
+    """A launch's arguments in the order of `names` (a kernel's ARG_NAMES), from keywords;
+    a missing or unknown name is an error, never a shifted argument."""
+    if set(values) != set(names):
+        raise TypeError(f"kernel arguments: missing {sorted(set(names) - set(values))}, "
+                        f"unknown {sorted(set(values) - set(names))}")
+    return tuple(values[name] for name in names)
+
+
+def check_parameters(fn, names):
+    """The kernel function `fn` takes exactly `names`, in order."""
+    import inspect
+
+    got = tuple(inspect.signature(fn).parameters)
+    if got != names:
+        raise TypeError(f"{fn.__name__} takes {got}; its ARGS say {names}")
+    return fn
+
+
+def sizes(spec):
+    """The compile-time sizes of variant `spec`, by the names the device functions use."""
+    spec.check()
+    TM = spec.block_m // spec.threads_m
+    TV = spec.dv // spec.threads_n
+    return dict(
+        BLOCK_M=spec.block_m, BLOCK_N=spec.block_n, D=spec.d, DV=spec.dv,
+        THREADS_M=spec.threads_m, THREADS_N=spec.threads_n, THREADS=spec.threads,
+        TM=TM, TN=spec.block_n // spec.threads_n, TV=TV,
+        V_GROUP=VEC if TV % VEC == 0 else 1,  # output columns a thread owns side by side
+        WIDTHS=spec.widths, OFFSETS=tuple(uint64(x) for x in spec.offsets[:4]),
+        HAS_MASK=spec.has_mask)
+
+
+@device_function
+def block_program(n_tiles, right, batch, heads_q):
+    """(split, b, h, tile) of this thread block. Blocks run over (split, batch, head, query
+    tile). Consecutive blocks share a (batch, head), so its K and V stay in L2, and the last
+    query tile of each goes first. Under a causal band (right >= 0) later query tiles see more
+    keys: then the blocks run tile by tile across every (split, batch, head), last tile
+    first, so the longest blocks start first and none of them runs last."""
+    block = int64(cuda.blockIdx.x)
+    if right >= 0:
+        n_bh = int64(cuda.gridDim.x) // n_tiles
+        bh = block % n_bh
+        tile = n_tiles - 1 - block // n_bh
+    else:
+        bh = block // n_tiles
+        tile = n_tiles - 1 - block % n_tiles
+    return bh // (batch * heads_q), bh // heads_q % batch, bh % heads_q, tile
+
+
+@device_function
+def key_tiles(start_m, last_row, n_q, kv_len, left, right, bottom_right, split, split_len,
+              block_n):
+    """(first, last, lo_last, hi_first): the keys first <= j < last that rows start_m ..
+    last_row can see, first rounded down to a tile of block_n keys, and the band
+    lo_last <= j < hi_first that every one of them sees. key_range is monotone in the row, so
+    the first and last rows bound them: tiles outside the causal band or window are never
+    visited. With split-KV a block sees its own split's keys only."""
+    lo_first, hi_first = key_range_device(start_m, n_q, kv_len, left, right, bottom_right)
+    lo_last, hi_last = key_range_device(last_row, n_q, kv_len, left, right, bottom_right)
+    first = max(max(lo_first, 0) // block_n * block_n, split * split_len)
+    last = min(hi_last, kv_len, (split + 1) * split_len)
+    return first, last, lo_last, hi_first
+
+
+NEG_INF, ZERO = float32(-math.inf), float32(0.0)
+F_LN2, F_LOG2E = float32(LN2), float32(LOG2E)
+
+
+def make_masked_score(z):
+    HAS_MASK = z["HAS_MASK"]
+
+    @kernel_part
+    def masked_score(x, mask, bias, mask_steps, bias_steps, b, h, row, col, lo, hi,
+                     interior, n_q):
+        """x (a scaled score, log2 units) plus the bias if query row `row` sees key `col`,
+        else -inf (the contract: key_range, the mask, bias != -inf). Selected, not added: a
+        NaN score of a hidden key must vanish. interior: the tile is inside every row's
+        band, so lo and hi need no test."""
         if not (row < n_q and (interior or (col >= lo and col < hi))):
             return NEG_INF
         if HAS_MASK:
-            if mask[b * msb, h * msh, row * msi, col * msj] == 0:
+            ms, bs = mask_steps, bias_steps  # 0 along broadcast dimensions
+            if mask[b * ms[0], h * ms[1], row * ms[2], col * ms[3]] == 0:
                 return NEG_INF
-            add = bias[b * bsb, h * bsh, row * bsi, col * bsj]
+            add = bias[b * bs[0], h * bs[1], row * bs[2], col * bs[3]]
             if add == NEG_INF:
                 return NEG_INF
             x += add * F_LOG2E
         return x
 
-    def flash_fwd(q, k, v, mask, bias, kv_lengths, out, lse, n_q, d, dv, group, heads_q,
-                  n_tiles, split_len, qk_scale, left, right, bottom_right, msb, msh, msi, msj,
-                  bsb, bsh, bsi, bsj):
-        # One shared array, carved by the offsets of KernelSpec.offsets: starting at offset 0
-        # of the block's shared memory, it is 16-byte aligned, which load4 needs.
-        words = cuda.shared.array(SHARED_WORDS, float32)
-        # S holds raw scores q . k, then s * qk_scale (+ bias), in log2 units. Scaling Q on
-        # load instead rounds every element of Q once more, which with large scores costs more
-        # accuracy than the plain computation loses (verify's criterion).
-        m_i = cuda.local.array(TM, float32)  # running max of the scaled scores (log2), per row
-        l_i = cuda.local.array(TM, float32)  # this thread's part of sum exp2(s * qk_scale - m_i)
-        acc = cuda.local.array((TM, TV), float32)  # running sum of exp2(s * qk_scale - m_i) * v
-        lo = cuda.local.array(TM, int64)  # each row's visible keys lo <= j < hi
-        hi = cuda.local.array(TM, int64)
-        s = cuda.local.array((TM, TN), float32)
-        a = cuda.local.array((TM, VEC2), float32)
-        bb = cuda.local.array(TV, float32)
+    return masked_score
 
-        tid = cuda.threadIdx.x
-        ty = tid // THREADS_N
-        tx = tid % THREADS_N
-        # The inner loops index shared memory with unsigned integers: Numba tests every signed
-        # index for a negative value (Python's wraparound), a compare and a select a load,
-        # which the profile (PERF.md, v5) found filling the integer pipe.
-        uty = U(ty)
-        utx = U(tx)
-        # Blocks run over (split, batch, head, query tile). Consecutive blocks share a (batch,
-        # head), so its K and V stay in L2, and the last query tile of each goes first. Under a
-        # causal band (right >= 0) the later query tiles see more keys: then the blocks run
-        # tile by tile across every (split, batch, head), last tile first, so the longest
-        # blocks start first and none of them runs last. With split-KV (split_kv.py) a block
-        # sees only keys [split * split_len, (split + 1) * split_len) and writes a partial
-        # result at batch index split * B + b; without it, split = 0.
-        batch = kv_lengths.shape[0]
-        block = int64(cuda.blockIdx.x)
-        if right >= 0:
-            n_bh = int64(cuda.gridDim.x) // n_tiles
-            bh = block % n_bh
-            tile = n_tiles - 1 - block // n_bh
-        else:
-            bh = block // n_tiles
-            tile = n_tiles - 1 - block % n_tiles
-        split = bh // (batch * heads_q)
-        b = bh // heads_q % batch
-        h = bh % heads_q
-        ob = split * batch + b  # where this block's out and lse go
-        hk = h // group  # grouped-query attention: query head h reads key head h // group
-        start_m = tile * BLOCK_M
-        kv_len = int64(kv_lengths[b])
-        k_bh = k[b, hk]  # (N_k, D) views: the tile loaders index rows and columns only
-        v_bh = v[b, hk]
 
-        # Q tile, loaded once and reused against every key tile.
-        load_q(q[b, h], start_m, min(BLOCK_M, n_q - start_m), d, words, Q_AT)
+def make_init_rows(z):
+    TM, TV, THREADS_M = z["TM"], z["TV"], z["THREADS_M"]
 
+    @kernel_part
+    def init_rows(m_i, l_i, acc, lo, hi, first_row, n_q, kv_len, left, right, bottom_right):
+        """For each of the thread's rows first_row + i * THREADS_M: m_i = -inf, l_i = 0,
+        acc = 0, and the keys lo <= j < hi it sees (the contract's key_range)."""
         for i in range(TM):
             m_i[i] = NEG_INF
             l_i[i] = ZERO
             for j in range(TV):
                 acc[i, j] = ZERO
-            lo[i], hi[i] = key_range_device(start_m + ty + i * THREADS_M, n_q, kv_len,
-                                            left, right, bottom_right)
-        # key_range is monotone in the row, so the block's first and last rows bound the
-        # tiles it must visit: the tiles outside the causal/window band are never computed.
-        last_row = min(start_m + BLOCK_M, n_q) - 1
-        lo_first, hi_first = key_range_device(start_m, n_q, kv_len, left, right, bottom_right)
-        lo_last, hi_last = key_range_device(last_row, n_q, kv_len, left, right, bottom_right)
-        first_n = max(max(lo_first, 0) // BLOCK_N * BLOCK_N, split * split_len)
-        end_n = min(hi_last, kv_len, (split + 1) * split_len)
-        # Head-dim columns past the real d are zeros in both tiles: S stops at d, rounded up
-        # to 2 * VEC (a step pair of load4s; D is a multiple of 16).
-        d_pairs = (d + 2 * VEC - 1) // (2 * VEC)
+            lo[i], hi[i] = key_range_device(first_row + i * THREADS_M, n_q, kv_len, left,
+                                            right, bottom_right)
 
-        for start_n in range(first_n, end_n, BLOCK_N):
-            # A tile every row sees whole needs no per-key band test.
-            interior = start_n >= lo_last and start_n + BLOCK_N <= hi_first
-            # Barrier: the previous tile's reads of the K/V words and of P are finished before
-            # K overwrites them; on the first tile, Q's writes become visible.
-            cuda.syncthreads()
-            load_k(k_bh, start_n, end_n - start_n, d, words, KV_AT)  # tail rows: zeros
-            cuda.syncthreads()  # Barrier: the K tile is complete before anyone reads it.
+    return init_rows
 
-            # S = Q K^T for this thread's TM x TN micro-tile (raw scores), VEC columns of the
-            # head dim a step: one 128-bit load a row of Q and one a key.
+
+def make_scores(z):
+    TM, TN, THREADS_M, THREADS_N = z["TM"], z["TN"], z["THREADS_M"], z["THREADS_N"]
+    Q_W, K_W = z["WIDTHS"][:2]
+    Q_AT, KV_AT = z["OFFSETS"][:2]
+    STEP = 2 * VEC  # head-dim columns a step: two 128-bit loads
+
+    @kernel_part
+    def scores(words, s, frag, ty_u, tx_u, d_steps):
+        """S = Q K^T (raw scores) for this thread's TM x TN micro-tile, from the Q and K tiles
+        in shared memory, STEP head-dim columns a step: two 128-bit loads a row of Q (into
+        frag), then two a key, each used TM times. Columns past d are zeros in both tiles:
+        the d_steps steps stop at d rounded up to STEP (D is a multiple of 16)."""
+        for i in range(TM):
+            for j in range(TN):
+                s[i, j] = ZERO
+        for step in range(d_steps):
+            c = uint64(step * STEP)
             for i in range(TM):
-                for j in range(TN):
-                    s[i, j] = ZERO
-            for pair in range(d_pairs):  # two load4s a row: the second overlaps the FMAs
-                c = U(pair * 2 * VEC)
+                q_row = Q_AT + (ty_u + uint64(i * THREADS_M)) * uint64(Q_W) + c
+                frag[i, 0], frag[i, 1], frag[i, 2], frag[i, 3] = load4(words, q_row)
+                frag[i, 4], frag[i, 5], frag[i, 6], frag[i, 7] = load4(words,
+                                                                       q_row + uint64(VEC))
+            for j in range(TN):
+                k_row = KV_AT + (tx_u + uint64(j * THREADS_N)) * uint64(K_W) + c
+                k0, k1, k2, k3 = load4(words, k_row)
+                k4, k5, k6, k7 = load4(words, k_row + uint64(VEC))
+                for i in range(TM):  # head-dim order, as one thread would sum it
+                    s[i, j] += frag[i, 0] * k0
+                    s[i, j] += frag[i, 1] * k1
+                    s[i, j] += frag[i, 2] * k2
+                    s[i, j] += frag[i, 3] * k3
+                    s[i, j] += frag[i, 4] * k4
+                    s[i, j] += frag[i, 5] * k5
+                    s[i, j] += frag[i, 6] * k6
+                    s[i, j] += frag[i, 7] * k7
+
+    return scores
+
+
+def make_scale_and_mask(z, masked_score):
+    TM, TN, THREADS_M, THREADS_N = z["TM"], z["TN"], z["THREADS_M"], z["THREADS_N"]
+    STAT_AT = z["OFFSETS"][3]
+
+    @kernel_part
+    def scale_and_mask(words, s, qk_scale, mask, bias, mask_steps, bias_steps, b, h,
+                       first_row, first_key, lo, hi, interior, n_q, ty_u, tx_u):
+        """S = S * qk_scale (+ bias), -inf where a row does not see a key (masked_score);
+        scaled first, as in the reference: a scale <= 0 must not turn a masked -inf into
+        +inf or NaN. The thread's max of each of its rows goes to the row statistics.
+        first_row, first_key: the thread's first row and key (its rows and keys are
+        THREADS_M and THREADS_N apart)."""
+        for i in range(TM):
+            tile_max = NEG_INF
+            for j in range(TN):
+                s[i, j] = masked_score(s[i, j] * qk_scale, mask, bias, mask_steps,
+                                       bias_steps, b, h, first_row + i * THREADS_M,
+                                       first_key + j * THREADS_N, lo[i], hi[i], interior, n_q)
+                tile_max = max(tile_max, s[i, j])
+            words[STAT_AT + (ty_u + uint64(i * THREADS_M)) * uint64(THREADS_N) + tx_u] = \
+                tile_max
+
+    return scale_and_mask
+
+
+def make_online_softmax(z):
+    TM, TN, TV = z["TM"], z["TN"], z["TV"]
+    THREADS_M, THREADS_N = z["THREADS_M"], z["THREADS_N"]
+    P_W = z["WIDTHS"][3]
+    P_AT, STAT_AT = z["OFFSETS"][2:4]
+
+    @kernel_part
+    def online_softmax(words, s, m_i, l_i, acc, ty_u, tx_u):
+        """The online softmax, one tile: each row's max m_new over the THREADS_N partial
+        maxima; alpha = exp2(m_i - m_new) rescales what was summed under the old max (l_i,
+        acc); P = exp2(S - m_new) goes to shared memory for P V (a hidden key: exp2(-inf) =
+        0; NaN stays NaN). Each thread sums its own keys of a row into l_i; the THREADS_N
+        parts are added once, at the end."""
+        for i in range(TM):
+            r = ty_u + uint64(i * THREADS_M)
+            tile_max = NEG_INF
+            for t in range(THREADS_N):
+                tile_max = max(tile_max, words[STAT_AT + r * uint64(THREADS_N) + uint64(t)])
+            m_new = max(m_i[i], tile_max)
+            m_safe = ZERO if m_new == NEG_INF else m_new  # fully masked: no exp2(-inf + inf)
+            alpha = math.exp2(m_i[i] - m_safe)
+            row_sum = ZERO
+            for j in range(TN):
+                p = math.exp2(s[i, j] - m_safe)
+                row_sum += p
+                words[P_AT + r * uint64(P_W) + tx_u + uint64(j * THREADS_N)] = p
+            l_i[i] = l_i[i] * alpha + row_sum
+            for j in range(TV):
+                acc[i, j] *= alpha
+            m_i[i] = m_new
+
+    return online_softmax
+
+
+def make_pv(z, masked_score):
+    """(pv, pv_seen_keys): acc += P V for the thread's TM x TV micro-tile, from the P and V
+    tiles in shared memory."""
+    TM, TV, V_GROUP = z["TM"], z["TV"], z["V_GROUP"]
+    BLOCK_N, THREADS_M, THREADS_N = z["BLOCK_N"], z["THREADS_M"], z["THREADS_N"]
+    V_W, P_W = z["WIDTHS"][2:4]
+    KV_AT, P_AT = z["OFFSETS"][1:3]
+
+    @kernel_part
+    def pv(words, acc, frag, v_cols, ty_u, tx_u, n_keys):
+        """VEC keys a step: one 128-bit load of P a row (into frag), then for each key the
+        thread's output columns of V (into v_cols), V_GROUP side by side; consecutive threads
+        take consecutive groups (no bank conflicts). Keys past n_keys have p = 0 and zero
+        rows of V: the steps stop there."""
+        for quad in range((n_keys + VEC - 1) // VEC):
+            n = uint64(quad * VEC)
+            for i in range(TM):
+                frag[i, 0], frag[i, 1], frag[i, 2], frag[i, 3] = load4(
+                    words, P_AT + (ty_u + uint64(i * THREADS_M)) * uint64(P_W) + n)
+            for e in range(VEC):
+                v_row = KV_AT + (n + uint64(e)) * uint64(V_W) + tx_u * uint64(V_GROUP)
+                for g in range(TV // V_GROUP):
+                    if V_GROUP == VEC:
+                        v_cols[g * VEC], v_cols[g * VEC + 1], v_cols[g * VEC + 2], \
+                            v_cols[g * VEC + 3] = load4(words,
+                                                        v_row + uint64(g * THREADS_N * VEC))
+                    else:
+                        v_cols[g] = words[v_row + uint64(g * THREADS_N)]
                 for i in range(TM):
-                    q_row = Q_AT + (uty + U(i * THREADS_M)) * U(Q_W) + c
-                    a[i, 0], a[i, 1], a[i, 2], a[i, 3] = load4(words, q_row)
-                    a[i, 4], a[i, 5], a[i, 6], a[i, 7] = load4(words, q_row + U(VEC))
-                for j in range(TN):
-                    k_row = KV_AT + (utx + U(j * THREADS_N)) * U(K_W) + c
-                    k0, k1, k2, k3 = load4(words, k_row)
-                    k4, k5, k6, k7 = load4(words, k_row + U(VEC))
-                    for i in range(TM):  # head-dim order, as one thread would sum it
-                        s[i, j] += a[i, 0] * k0
-                        s[i, j] += a[i, 1] * k1
-                        s[i, j] += a[i, 2] * k2
-                        s[i, j] += a[i, 3] * k3
-                        s[i, j] += a[i, 4] * k4
-                        s[i, j] += a[i, 5] * k5
-                        s[i, j] += a[i, 6] * k6
-                        s[i, j] += a[i, 7] * k7
+                    for j in range(TV):
+                        acc[i, j] += frag[i, e] * v_cols[j]
 
-            # S = S * qk_scale (+ bias), then masked scores become -inf by selection (a NaN
-            # score of a hidden key must vanish). Scale first: a scale <= 0 would turn a
-            # masked -inf into +inf or NaN.
+    @kernel_part
+    def pv_seen_keys(words, acc, v_cols, mask, bias, mask_steps, bias_steps, b, h,
+                     first_row, start_n, lo, hi, interior, n_q, ty_u, tx_u):
+        """The same for a V tile holding a NaN or an inf, adding only the keys each row sees:
+        a hidden key has p = 0, but 0 * NaN = NaN. Rare, so not unrolled."""
+        for n in range(BLOCK_N):
+            for g in range(TV // V_GROUP):
+                for e in range(V_GROUP):
+                    v_cols[g * V_GROUP + e] = words[
+                        KV_AT + uint64(n * V_W) + tx_u * uint64(V_GROUP)
+                        + uint64(g * THREADS_N * V_GROUP + e)]
             for i in range(TM):
-                row = start_m + ty + i * THREADS_M
-                tile_max = NEG_INF
-                for j in range(TN):
-                    s[i, j] = masked_score(s[i, j] * qk_scale, mask, bias, b, h, row,
-                                           start_n + tx + j * THREADS_N, lo[i], hi[i],
-                                           interior, n_q, msb, msh, msi, msj, bsb, bsh, bsi,
-                                           bsj)
-                    tile_max = max(tile_max, s[i, j])
-                words[STAT_AT + (uty + U(i * THREADS_M)) * U(THREADS_N) + utx] = tile_max
-            cuda.syncthreads()  # Barrier: all partial row maxima are written.
+                if masked_score(ZERO, mask, bias, mask_steps, bias_steps, b, h,
+                                first_row + i * THREADS_M, start_n + n, lo[i], hi[i],
+                                interior, n_q) != NEG_INF:
+                    p = words[P_AT + (ty_u + uint64(i * THREADS_M)) * uint64(P_W) + uint64(n)]
+                    for j in range(TV):
+                        acc[i, j] += p * v_cols[j]
 
-            for i in range(TM):
-                r = uty + U(i * THREADS_M)
-                tile_max = NEG_INF
-                for t in range(THREADS_N):
-                    tile_max = max(tile_max, words[STAT_AT + r * U(THREADS_N) + U(t)])
-                m_new = max(m_i[i], tile_max)
-                m_safe = ZERO if m_new == NEG_INF else m_new  # fully masked: no exp2(-inf + inf)
-                alpha = math.exp2(m_i[i] - m_safe)  # rescales what was summed under the old max
-                partial = ZERO
-                for j in range(TN):
-                    # Hidden keys: exp2(-inf) = 0; NaN stays NaN.
-                    p = math.exp2(s[i, j] - m_safe)
-                    partial += p
-                    words[P_AT + r * U(P_W) + utx + U(j * THREADS_N)] = p
-                # Each thread sums its own keys of the row; the THREADS_N parts are added once,
-                # at the end.
-                l_i[i] = l_i[i] * alpha + partial
-                for j in range(TV):
-                    acc[i, j] *= alpha
-                m_i[i] = m_new
-            # Barrier: P is written, and every read of K is done, so V may take its place.
-            cuda.syncthreads()
+    return pv, pv_seen_keys
 
-            bad = load_v(v_bh, start_n, end_n - start_n, dv, words, KV_AT)
-            # Barrier: the V tile is complete. It also tells every thread whether any thread
-            # loaded a non-finite value, so the whole block takes the same path below.
-            v_bad = cuda.syncthreads_or(bad)
 
-            # O += P V for this thread's TM x TV micro-tile, VEC keys a step: one 128-bit load
-            # of P a row, then for each key the thread's output columns of V, VV side by side
-            # (consecutive threads take consecutive groups: no bank conflicts).
-            if not v_bad:
-                # Keys past end_n have p = 0 and zero rows of V: the loop stops there.
-                for quad in range((min(BLOCK_N, end_n - start_n) + VEC - 1) // VEC):
-                    n = U(quad * VEC)
-                    for i in range(TM):
-                        a[i, 0], a[i, 1], a[i, 2], a[i, 3] = load4(
-                            words, P_AT + (uty + U(i * THREADS_M)) * U(P_W) + n)
-                    for e in range(VEC):
-                        v_row = KV_AT + (n + U(e)) * U(V_W) + utx * U(VV)
-                        for g in range(TV // VV):
-                            if VV == VEC:
-                                bb[g * VEC], bb[g * VEC + 1], bb[g * VEC + 2], bb[g * VEC + 3] = \
-                                    load4(words, v_row + U(g * THREADS_N * VEC))
-                            else:
-                                bb[g] = words[v_row + U(g * THREADS_N)]
-                        for i in range(TM):
-                            for j in range(TV):
-                                acc[i, j] += a[i, e] * bb[j]
-            else:
-                # A NaN or inf in V. A hidden key has p = 0, but 0 * NaN = NaN: add only the
-                # keys each row sees. Rare, so not unrolled.
-                for n in range(BLOCK_N):
-                    for g in range(TV // VV):
-                        for e in range(VV):
-                            bb[g * VV + e] = words[KV_AT + U(n * V_W) + utx * U(VV)
-                                                   + U(g * THREADS_N * VV + e)]
-                    for i in range(TM):
-                        if masked_score(ZERO, mask, bias, b, h, start_m + ty + i * THREADS_M,
-                                        start_n + n, lo[i], hi[i], interior, n_q, msb, msh,
-                                        msi, msj, bsb, bsh, bsi, bsj) != NEG_INF:
-                            a_i = words[P_AT + (uty + U(i * THREADS_M)) * U(P_W) + U(n)]
-                            for j in range(TV):
-                                acc[i, j] += a_i * bb[j]
+def make_store_out(z, store):
+    TM, TV, V_GROUP = z["TM"], z["TV"], z["V_GROUP"]
+    BLOCK_M, DV, THREADS = z["BLOCK_M"], z["DV"], z["THREADS"]
+    THREADS_M, THREADS_N = z["THREADS_M"], z["THREADS_N"]
+    O_W = z["WIDTHS"][4]
+    Q_AT, STAT_AT = z["OFFSETS"][0], z["OFFSETS"][3]
 
-        # out = acc / l; a row that saw no key has l = 0 and gives out = 0, lse = -inf.
-        # Barrier: every read of Q, P and the row maxima is finished.
-        cuda.syncthreads()
+    @kernel_part
+    def store_out(words, out, lse, m_i, l_i, acc, out_b, h, start_m, first_row, n_q, dv,
+                  ty_u, tx_u):
+        """out = acc / l and lse = (m_i + log2 l) * ln 2, l the sum of the THREADS_N parts of
+        l_i; a row that saw no key has l = 0 and gives out = 0, lse = -inf. The rows go
+        through shared memory (Q's words, free now) so that the stores to `out` are
+        coalesced: a thread's own columns are THREADS_N * V_GROUP words apart."""
+        cuda.syncthreads()  # Barrier: every read of Q, P and the row maxima is finished.
         for i in range(TM):
-            words[STAT_AT + (uty + U(i * THREADS_M)) * U(THREADS_N) + utx] = l_i[i]
+            words[STAT_AT + (ty_u + uint64(i * THREADS_M)) * uint64(THREADS_N) + tx_u] = l_i[i]
         cuda.syncthreads()  # Barrier: every thread's part of each row sum is written.
-        # The rows go through shared memory (Q's words, free now) so that the stores to `out`
-        # are coalesced: a thread's own columns are THREADS_N * VV words apart.
         for i in range(TM):
-            r = uty + U(i * THREADS_M)
+            r = ty_u + uint64(i * THREADS_M)
             l_row = ZERO
             for t in range(THREADS_N):
-                l_row += words[STAT_AT + r * U(THREADS_N) + U(t)]
+                l_row += words[STAT_AT + r * uint64(THREADS_N) + uint64(t)]
             empty = l_row == ZERO
             inv_l = ZERO if empty else float32(1.0) / l_row
-            for g in range(TV // VV):
-                for e in range(VV):
-                    col = utx * U(VV) + U(g * THREADS_N * VV + e)
-                    words[Q_AT + r * U(O_W) + col] = ZERO if empty else acc[i, g * VV + e] * inv_l
-            if tx == 0 and start_m + ty + i * THREADS_M < n_q:
-                lse[ob, h, start_m + ty + i * THREADS_M] = (
-                    NEG_INF if empty else (m_i[i] + math.log2(l_row)) * F_LN2)
+            for g in range(TV // V_GROUP):
+                for e in range(V_GROUP):
+                    col = tx_u * uint64(V_GROUP) + uint64(g * THREADS_N * V_GROUP + e)
+                    words[Q_AT + r * uint64(O_W) + col] = \
+                        ZERO if empty else acc[i, g * V_GROUP + e] * inv_l
+            row = first_row + i * THREADS_M
+            if tx_u == 0 and row < n_q:
+                lse[out_b, h, row] = NEG_INF if empty else (m_i[i] + math.log2(l_row)) * F_LN2
         cuda.syncthreads()  # Barrier: the output tile is complete.
+        tid = cuda.threadIdx.x
         for it in range(BLOCK_M * DV // THREADS):
             idx = tid + it * THREADS
             r = idx // DV
             c = idx % DV
             if start_m + r < n_q and c < dv:
-                out[ob, h, start_m + r, c] = store(words[Q_AT + U(r * O_W + c)])
+                out[out_b, h, start_m + r, c] = store(words[Q_AT + uint64(r * O_W + c)])
 
-    return flash_fwd
+    return store_out
+
+
+def device_functions(spec):
+    """The variant's device functions, built for its sizes (sizes(spec)), in the order the
+    kernel calls them: load_q, init_rows, load_k, scores, scale_and_mask, online_softmax,
+    load_v, pv, pv_seen_keys, store_out."""
+    z = sizes(spec)
+    load, store, _ = CONVERTERS[spec.dtype]
+    if spec.partial:  # split-KV partial results stay float32 until the merge
+        store = CONVERTERS["float32"][1]
+    Q_W, K_W, V_W = z["WIDTHS"][:3]
+    masked_score = make_masked_score(z)
+    pv, pv_seen_keys = make_pv(z, masked_score)
+    # Each batch of tile loads waits for global memory once; larger batches cost registers
+    # (specs.LOAD_BATCH chooses them per variant).
+    return (tile_loader(load, spec.block_m, spec.d, spec.threads, Q_W, spec.qk_load_batch),
+            make_init_rows(z),
+            tile_loader(load, spec.block_n, spec.d, spec.threads, K_W, spec.qk_load_batch),
+            make_scores(z), make_scale_and_mask(z, masked_score), make_online_softmax(z),
+            tile_loader(load, spec.block_n, spec.dv, spec.threads, V_W, spec.v_load_batch),
+            pv, pv_seen_keys, make_store_out(z, store))
+
+
+def kernel_source(spec):
+    """The kernel for variant `spec` as a Python function, for cuda.jit or cuda.compile_ptx:
+    the FlashAttention-2 forward pass of reference/tiled.py's _program, one block per
+    program, calling the device functions above in the algorithm's order."""
+    z = sizes(spec)
+    BLOCK_M, BLOCK_N, THREADS_M, THREADS_N = (z[n] for n in ("BLOCK_M", "BLOCK_N",
+                                                             "THREADS_M", "THREADS_N"))
+    TM, TN, TV = z["TM"], z["TN"], z["TV"]
+    Q_AT, KV_AT = z["OFFSETS"][:2]
+    SHARED_WORDS = spec.offsets[4]
+    FRAG = 2 * VEC  # local-array shapes must be closure ints, not expressions
+    (load_q, init_rows, load_k, scores, scale_and_mask, online_softmax, load_v, pv,
+     pv_seen_keys, store_out) = device_functions(spec)
+
+    def flash_fwd(q, k, v, mask, bias, kv_lengths, out, lse, n_q, d, dv, group, heads_q,
+                  n_tiles, split_len, qk_scale, left, right, bottom_right, mask_steps,
+                  bias_steps):
+        # One shared array, carved by KernelSpec.offsets; at offset 0 of the block's shared
+        # memory it is 16-byte aligned, as load4 needs.
+        words = cuda.shared.array(SHARED_WORDS, float32)
+        m_i = cuda.local.array(TM, float32)  # running max of the scaled scores (log2), a row
+        l_i = cuda.local.array(TM, float32)  # this thread's part of sum exp2(s - m_i)
+        acc = cuda.local.array((TM, TV), float32)  # running sum of exp2(s - m_i) * v
+        lo = cuda.local.array(TM, int64)  # each row's visible keys lo <= j < hi
+        hi = cuda.local.array(TM, int64)
+        s = cuda.local.array((TM, TN), float32)  # the scores of the thread's micro-tile
+        frag = cuda.local.array((TM, FRAG), float32)  # a row's slice of Q, then of P
+        v_cols = cuda.local.array(TV, float32)  # the thread's columns of one key's V
+
+        tid = cuda.threadIdx.x
+        ty, tx = tid // THREADS_N, tid % THREADS_N  # rows ty + i * THREADS_M, keys tx + j * ..
+        # Shared-memory indices are unsigned: Numba tests every signed index for a negative
+        # value (Python's wraparound), a compare and a select a load (PERF.md, v5).
+        ty_u, tx_u = uint64(ty), uint64(tx)
+        batch = kv_lengths.shape[0]
+        split, b, h, tile = block_program(n_tiles, right, batch, heads_q)
+        out_b = split * batch + b  # where this block's out and lse go (split-KV: partials)
+        hk = h // group  # grouped-query attention: query head h reads key head h // group
+        start_m = tile * BLOCK_M
+        kv_len = int64(kv_lengths[b])
+        k_bh, v_bh = k[b, hk], v[b, hk]  # (Nk, D) views: the tile loaders index rows, columns
+
+        load_q(q[b, h], start_m, min(BLOCK_M, n_q - start_m), d, words, Q_AT)  # once
+        init_rows(m_i, l_i, acc, lo, hi, start_m + ty, n_q, kv_len, left, right, bottom_right)
+        first, last, lo_last, hi_first = key_tiles(
+            start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
+            split, split_len, BLOCK_N)
+        d_steps = (d + FRAG - 1) // FRAG  # scores' steps: head-dim columns past d are zeros
+        for start_n in range(first, last, BLOCK_N):
+            # Keys left from start_n: the last tile may be partial (its rows past them are
+            # loaded as zeros). Not min(last, start_n + BLOCK_N): that costs registers.
+            n_keys = last - start_n
+            interior = start_n >= lo_last and start_n + BLOCK_N <= hi_first  # all rows see it
+            # Barrier: the last tile's reads of K, V and P are done (on the first tile: Q is
+            # loaded) before K takes their words.
+            cuda.syncthreads()
+            load_k(k_bh, start_n, n_keys, d, words, KV_AT)  # tail rows: zeros
+            cuda.syncthreads()  # Barrier: the K tile is complete.
+            scores(words, s, frag, ty_u, tx_u, d_steps)
+            scale_and_mask(words, s, qk_scale, mask, bias, mask_steps, bias_steps, b, h,
+                           start_m + ty, start_n + tx, lo, hi, interior, n_q, ty_u, tx_u)
+            cuda.syncthreads()  # Barrier: every thread's row maxima are written.
+            online_softmax(words, s, m_i, l_i, acc, ty_u, tx_u)
+            cuda.syncthreads()  # Barrier: P is written and K is read: V may take its words.
+            bad = load_v(v_bh, start_n, n_keys, dv, words, KV_AT)
+            # Barrier: the V tile is complete, and every thread knows whether any loaded a
+            # NaN or an inf, so the whole block takes the same path.
+            if not cuda.syncthreads_or(bad):
+                pv(words, acc, frag, v_cols, ty_u, tx_u, min(BLOCK_N, n_keys))
+            else:
+                pv_seen_keys(words, acc, v_cols, mask, bias, mask_steps, bias_steps, b, h,
+                             start_m + ty, start_n, lo, hi, interior, n_q, ty_u, tx_u)
+        store_out(words, out, lse, m_i, l_i, acc, out_b, h, start_m, start_m + ty, n_q, dv,
+                  ty_u, tx_u)
+
+    return check_parameters(flash_fwd, ARG_NAMES)

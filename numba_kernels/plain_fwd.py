@@ -23,7 +23,13 @@ from functools import lru_cache
 from numba import cuda, float32
 
 from .convert import CONVERTERS, SIMULATOR
-from .flash_fwd import FASTMATH, LN2, LOG2E, key_range_device
+from .flash_fwd import ARGS, FASTMATH, LN2, LOG2E, check_parameters, key_range_device
+
+# The plain kernel's arguments: those of flash_fwd.py's ARGS it needs (the same meanings).
+PLAIN_ARGS = tuple(a for a in ARGS if a[0] in (
+    "q", "k", "v", "mask", "bias", "kv_lengths", "out", "lse", "n_q", "group", "qk_scale",
+    "left", "right", "bottom_right", "mask_steps", "bias_steps"))
+PLAIN_ARG_NAMES = tuple(name for name, _, _ in PLAIN_ARGS)
 
 PLAIN_TILES = {64: (32, 32), 128: (32, 16), 256: (16, 16)}  # width: (BLOCK_M, BLOCK_N)
 
@@ -67,7 +73,7 @@ def plain_kernel_source(D, DV, dtype, has_mask):
     F_LOG2E, F_LN2 = float32(LOG2E), float32(LN2)
 
     def plain_fwd(q, k, v, mask, bias, kv_lengths, out, lse, n_q, group, qk_scale, left,
-                  right, bottom_right, msb, msh, msi, msj, bsb, bsh, bsi, bsj):
+                  right, bottom_right, mask_steps, bias_steps):
         K_tile = cuda.shared.array((BLOCK_N, K_W), float32)
         V_tile = cuda.shared.array((BLOCK_N, V_W), float32)
         q_i = cuda.local.array(D, float32)
@@ -111,9 +117,11 @@ def plain_kernel_source(D, DV, dtype, has_mask):
                     x += q_i[c] * K_tile[jj, c]
                 x *= qk_scale  # scaled before the mask: a scale <= 0 keeps -inf as -inf
                 seen = row_ok and j < kv_len and lo <= j and j < hi
-                if has_mask and seen:
-                    add = bias[b * bsb, h * bsh, i * bsi, j * bsj]
-                    seen = mask[b * msb, h * msh, i * msi, j * msj] != 0 and add != NEG_INF
+                if has_mask and seen:  # the steps are 0 where mask or bias broadcasts
+                    ms, bs = mask_steps, bias_steps
+                    add = bias[b * bs[0], h * bs[1], i * bs[2], j * bs[3]]
+                    seen = mask[b * ms[0], h * ms[1], i * ms[2], j * ms[3]] != 0 \
+                        and add != NEG_INF
                     x += add * F_LOG2E
                 s[jj] = x if seen else NEG_INF
                 tile_max = max(tile_max, s[jj])
@@ -139,4 +147,4 @@ def plain_kernel_source(D, DV, dtype, has_mask):
                 out[b, h, i, c] = store(ZERO if empty else acc[c] / l_i)
             lse[b, h, i] = NEG_INF if empty else (m_i + math.log2(l_i)) * F_LN2
 
-    return plain_fwd
+    return check_parameters(plain_fwd, PLAIN_ARG_NAMES)

@@ -6,12 +6,12 @@ the Q tile and the K tile are D words per row, so larger head dims take smaller 
 from functools import lru_cache
 
 from numba import cuda, float32, int16, int32, int64, uint8
-from numba.types import float16
+from numba.types import UniTuple, float16
 
 from reference.dtypes import KERNEL_DTYPES
 from .convert import CONVERTERS, SIMULATOR
-from .flash_fwd import FASTMATH, KernelSpec, kernel_source
-from .plain_fwd import PlainSpec, plain_kernel_source
+from .flash_fwd import ARGS, FASTMATH, KernelSpec, kernel_source
+from .plain_fwd import PLAIN_ARGS, PlainSpec, plain_kernel_source
 from .split_kv import merge_source
 
 MAX_HEAD_DIM = 256
@@ -85,29 +85,30 @@ _NUMBA_TYPES = {"float32": float32, "float16": float16, "int16": int16}
 
 
 def signature(spec, layout="A"):
-    """Argument types of the kernel for `spec` (for compile_ptx). layout "A": any-layout
-    arrays, the version Numba compiles for strided inputs; "C": C-contiguous arrays, the
-    version contiguous inputs launch."""
+    """Argument types of the kernel for `spec` (for compile_ptx), from its ARGS. layout "A":
+    any-layout arrays, the version Numba compiles for strided inputs; "C": C-contiguous
+    arrays, the version contiguous inputs launch."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
-    out_elem = float32 if spec.partial else elem
-    if layout == "C":
-        arr4, out4 = elem[:, :, :, ::1], out_elem[:, :, :, ::1]
-        mask4, bias4 = uint8[:, :, :, ::1], float32[:, :, :, ::1]
-        lengths, lse = int32[::1], float32[:, :, ::1]
-    else:
-        arr4, out4 = elem[:, :, :, :], out_elem[:, :, :, :]
-        mask4, bias4, lengths, lse = uint8[:, :, :, :], float32[:, :, :, :], int32[:], \
-            float32[:, :, :]
-    return (arr4, arr4, arr4, mask4, bias4, lengths, out4, lse,
-            int64, int64, int64, int64, int64, int64, int64, float32, int64, int64, int64,
-            int64, int64, int64, int64, int64, int64, int64, int64)
+    return arg_types(ARGS, elem, float32 if spec.partial else elem, layout)
+
+
+def arg_types(args, elem, out_elem, layout):
+    """The Numba type of each (name, kind, meaning) of a kernel's ARGS, for input elements
+    `elem`, output elements `out_elem` and array layout "A" or "C"."""
+    def array(t, ndim):  # t[:, :, ::1] (C) or t[:, :, :] (A)
+        last = slice(None, None, 1 if layout == "C" else None)
+        return t[(slice(None),) * (ndim - 1) + (last,)] if ndim > 1 else t[last]
+
+    kinds = {"input": array(elem, 4), "output": array(out_elem, 4), "mask": array(uint8, 4),
+             "bias": array(float32, 4), "lengths": array(int32, 1), "lse": array(float32, 3),
+             "int": int64, "float": float32, "steps": UniTuple(int64, 4)}
+    return tuple(kinds[kind] for _, kind, _ in args)
 
 
 def plain_signature(spec):
     """Argument types of the plain kernel (plain_fwd.py), C-contiguous arrays."""
-    elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]][:, :, :, ::1]
-    return (elem, elem, elem, uint8[:, :, :, ::1], float32[:, :, :, ::1], int32[::1], elem,
-            float32[:, :, ::1], int64, int64, float32) + (int64,) * 11
+    elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
+    return arg_types(PLAIN_ARGS, elem, elem, "C")
 
 
 def merge_signature(dtype):

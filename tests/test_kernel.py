@@ -279,3 +279,38 @@ def test_compile_time_is_recorded_only_when_a_launch_compiles(monkeypatch):
     assert compile_times()["k"] == first
     launch.launch(kernel, "k", 1, 1, 0, [0.0])  # new argument types: a second version
     assert compile_times()["k"] > first
+
+
+def test_one_description_of_the_kernels_arguments():
+    """ARGS names the kernels' parameters, their Numba types and every launch's arguments:
+    the kernel functions take exactly those names, and a launch given a missing or an unknown
+    name fails instead of shifting the arguments."""
+    import inspect
+
+    from numba_kernels.flash_fwd import ARG_NAMES, ARGS, kernel_args, kernel_source
+    from numba_kernels.plain_fwd import PLAIN_ARG_NAMES, plain_kernel_source
+    from numba_kernels.specs import plain_signature, shipped_specs, signature
+
+    spec = shipped_specs()[0]
+    assert tuple(inspect.signature(kernel_source(spec)).parameters) == ARG_NAMES
+    assert tuple(inspect.signature(plain_kernel_source(64, 64, "float32", True)).parameters) \
+        == PLAIN_ARG_NAMES
+    assert len(signature(spec, "C")) == len(signature(spec, "A")) == len(ARGS)
+    from numba_kernels.plain_fwd import PlainSpec
+
+    assert len(plain_signature(PlainSpec(64, "float32", True))) == len(PLAIN_ARG_NAMES)
+    values = {name: i for i, name in enumerate(ARG_NAMES)}
+    assert kernel_args(**values) == tuple(range(len(ARG_NAMES)))
+    with pytest.raises(TypeError, match=r"missing \['split_len'\], unknown \['splitlen'\]"):
+        kernel_args(**{("splitlen" if n == "split_len" else n): v for n, v in values.items()})
+
+
+def test_a_kernel_whose_parameters_drift_from_its_args_is_refused():
+    from numba_kernels.flash_fwd import check_parameters
+
+    def kernel(q, k, v):
+        pass
+
+    check_parameters(kernel, ("q", "k", "v"))
+    with pytest.raises(TypeError, match="takes"):
+        check_parameters(kernel, ("q", "v", "k"))

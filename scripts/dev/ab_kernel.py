@@ -4,8 +4,8 @@
     python scripts/dev/ab_kernel.py
 
 Both kernels are launched directly (Numba's own launch, the same host path for both), with
-their own argument lists: the old one is the 22-argument kernel without a bias, the new one
-takes the bias and its four steps as well. Medians of CUDA events over the kernel alone,
+their own argument lists: the old one (v13) takes the mask's and the bias's steps as eight
+integers, the new one by name through flash_fwd.kernel_args (two 4-tuples). Medians of CUDA events over the kernel alone,
 alternating old and new three times. Unmasked calls, no split-KV: the variants the
 benchmarks time.
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.attention_speed import DTYPES, time_ms  # noqa: E402
 from numba_kernels import _ab_old_flash_fwd as old  # noqa: E402
 from numba_kernels import choose_spec  # noqa: E402
-from numba_kernels.flash_fwd import FASTMATH, LOG2E  # noqa: E402
+from numba_kernels.flash_fwd import ARG_NAMES, FASTMATH, LOG2E, kernel_args  # noqa: E402
 from numba_kernels.specs import build_kernel, launch_grid  # noqa: E402
 from reference.dtypes import transported  # noqa: E402
 
@@ -36,20 +36,26 @@ def old_spec(spec):
     return old.KernelSpec(**{n: getattr(spec, n) for n in names if hasattr(spec, n)})
 
 
-def launcher(kernel, spec, q, k, v, causal, with_bias):
-    """A no-argument function launching `kernel` once on (q, k, v)."""
+def launcher(kernel, spec, q, k, v, causal, named):
+    """A no-argument function launching `kernel` once on (q, k, v): with its arguments by
+    name (named: the working tree's ARGS) or positional (the old kernel's 27 arguments)."""
     B, H, N, D = q.shape
     blocks, threads, n_tiles = launch_grid(N, B, H, spec)
     dev = cuda.as_cuda_array
     out = torch.empty_like(q)
-    lse = torch.empty(B, H, N, device="cuda")
-    mask = torch.ones(1, 1, 1, 1, dtype=torch.uint8, device="cuda")
-    bias = torch.zeros(1, 1, 1, 1, device="cuda")
-    lengths = torch.full((B,), N, dtype=torch.int32, device="cuda")
-    head = [dev(transported(q)), dev(transported(k)), dev(transported(v)), dev(mask)]
-    tail = [dev(lengths), dev(transported(out)), dev(lse), N, D, D, 1, H, n_tiles, N,
-            np.float32(D ** -0.5 * LOG2E), -1, 0 if causal else -1, int(causal), 0, 0, 0, 0]
-    args = head + ([dev(bias)] if with_bias else []) + tail + ([0, 0, 0, 0] if with_bias else [])
+    values = dict(
+        q=dev(transported(q)), k=dev(transported(k)), v=dev(transported(v)),
+        mask=dev(torch.ones(1, 1, 1, 1, dtype=torch.uint8, device="cuda")),
+        bias=dev(torch.zeros(1, 1, 1, 1, device="cuda")),
+        kv_lengths=dev(torch.full((B,), N, dtype=torch.int32, device="cuda")),
+        out=dev(transported(out)), lse=dev(torch.empty(B, H, N, device="cuda")), n_q=N, d=D,
+        dv=D, group=1, heads_q=H, n_tiles=n_tiles, split_len=N,
+        qk_scale=np.float32(D ** -0.5 * LOG2E), left=-1, right=0 if causal else -1,
+        bottom_right=int(causal), mask_steps=(0, 0, 0, 0), bias_steps=(0, 0, 0, 0))
+    if named:
+        args = kernel_args(**values)
+    else:  # the steps as eight separate integers
+        args = [values[n] for n in ARG_NAMES[:-2]] + [0] * 8
     stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
     return lambda: kernel[blocks, threads, stream](*args)
 
