@@ -379,3 +379,53 @@ def test_finite_abs_max_skips_non_finite(dtype):
     assert finite_abs_max(x) == 3.0
     assert finite_abs_max(x[1:, :1]) == 0.0 and finite_abs_max(x[1:2, 1:]) == 2.0
     assert finite_abs_max(np.full((2, 2), np.nan, dtype)) == 0.0
+
+
+class _Deferred(np.ndarray):
+    """A result whose device work fails late, as JAX's asynchronous dispatch does: at
+    block_until_ready, or (lazy=False) when rows are taken from it on the host."""
+
+    __module__ = "numpy"  # posing as NumPy's own, the array type the adapter expects
+    failure = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 16.01GiB"
+    lazy = True
+
+    def block_until_ready(self):
+        if self.lazy:
+            raise RuntimeError(self.failure)
+        return self
+
+    def take(self, *args, **kwargs):
+        raise RuntimeError(self.failure)
+
+
+def _deferred_kernel(lazy):
+    import reference
+
+    def attention(q, k, v, **options):
+        out = reference.attention(q, k, v, **options).astype(q.dtype).view(_Deferred)
+        out.lazy = lazy
+        return out
+    return attention
+
+
+@pytest.mark.parametrize("lazy", [True, False], ids=["at-wait", "at-read"])
+def test_a_late_device_error_is_the_cases_not_verifys(lazy):
+    """An error of the call's device work, when the result is waited for or read, fails the
+    case (a scale-suite case that ran out of memory is skipped, saying so); verify runs on."""
+    from verify.cases import scale_cases
+
+    impl = _deferred_kernel(lazy)
+    supports = Supports(dtypes=("float32",), causal=(), mask=False, kv_lengths=False,
+                        gqa=False, lse=False)
+    report = verify.compare(impl, supports=supports, progress=False,
+                            cases=[(battery("quick", ("float32",))[0], 0)])
+    (result,) = report.cases
+    if lazy:
+        assert result.verdict == "fail" and "RESOURCE_EXHAUSTED" in result.detail
+    else:  # whole-array reads never take rows: this one passes
+        assert result.verdict == "pass", result.detail
+    small = scale_cases("float32", n=40, keys=70, queries=9, long=101, cache=301)[2]
+    report = verify.compare(impl, supports=supports, cases=[(small, 0)], suite="scale",
+                            progress=False)
+    (result,) = report.cases
+    assert result.verdict == "skipped" and "out of memory" in result.detail.lower()

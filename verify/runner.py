@@ -236,7 +236,7 @@ def call(impl, args, kwargs, run=None):
     def target():
         try:
             box["result"] = run() if run else impl.fn(*args, **kwargs)
-            _synchronize(impl)
+            _synchronize(impl, box["result"])
         except BaseException as e:  # noqa: BLE001 - everything a kernel raises is a result
             box["error"] = e
             box["trace"] = traceback.format_exc(limit=3)
@@ -255,11 +255,16 @@ def call(impl, args, kwargs, run=None):
 HUNG = "no result after"
 
 
-def _synchronize(impl):
+def _synchronize(impl, result):
+    """Wait for the call's work: its errors (out of memory, say) and its time belong to the
+    call. JAX dispatches asynchronously, so its results are waited for."""
     if impl.array == "torch" and impl.device == "cuda":
         import torch
 
         torch.cuda.synchronize()
+    for x in result if isinstance(result, tuple) else (result,):
+        if hasattr(x, "block_until_ready"):  # a JAX array
+            x.block_until_ready()
 
 
 def host(x):
@@ -291,14 +296,18 @@ def unpack(impl, case, result, args=(), rows=None):
     _check_array(impl, case, out)
     if any(overlaps(out, x) for x in args):
         raise Fail("out shares memory with an input: the output aliases q, k or v")
-    if rows is not None:
-        out = take_rows(out, rows, 2 if impl.layout == "bhnd" else 1)
-        lse = None if lse is None else take_rows(lse, rows, 2)
-    out = host(out).astype(np.float64)
+    try:  # device work of its own (an index, a copy): an error is the case's, not verify's
+        if rows is not None:
+            out = take_rows(out, rows, 2 if impl.layout == "bhnd" else 1)
+            lse = None if lse is None else take_rows(lse, rows, 2)
+        out = host(out).astype(np.float64)
+        lse = None if lse is None else host(lse).astype(np.float64)
+    except Exception as e:  # noqa: BLE001 - out of memory, a failed copy
+        raise Fail(f"reading the result raised {type(e).__name__}: "
+                   f"{str(e).splitlines()[0] if str(e) else ''}") from e
     if impl.layout == "bnhd":
         out = out.transpose(0, 2, 1, 3)
     if lse is not None:
-        lse = host(lse).astype(np.float64)
         n = case.Nq if rows is None else len(rows)
         if lse.shape != (case.B, case.Hq, n):
             raise Fail(f"lse has shape {lse.shape}; expected {(case.B, case.Hq, n)} "
