@@ -2,7 +2,8 @@
 
 Without a GPU this runs in the CUDA simulator (tests/conftest.py), so sizes are tiny; the
 sizes are still chosen around the tiles of the variants they select (BLOCK_M = 64, BLOCK_N = 32
-for D <= 64; 64 x 16 up to 128, 32 x 32 for D = 96 with a mask; 16 x 16 up to 256).
+for D <= 64; 64 x 16 up to 128, 32 x 32 for D = 96 with a mask; 16 x 16 up to 256): verify's
+edge cases (verify.cases.edge_cases), with the kernel's own checks.
 scripts/dev/gpu_check.py runs the large battery on a GPU.
 """
 import zlib
@@ -12,6 +13,7 @@ import pytest
 
 from numba_kernels import api, flash_attention, plain_attention
 from reference.dtypes import numpy_dtype
+from verify.cases import edge_cases, make_inputs
 from verify.criterion import judge
 
 
@@ -47,41 +49,17 @@ def check(q, k, v, **options):
     return out, lse
 
 
-CASES = {  # name: (input shape arguments, options)
-    "tails": (dict(Nq=65, Nk=33), {}),
-    "one-each": (dict(Nq=1, Nk=1), {}),
-    "causal-top-left-Nq<Nk": (dict(Nq=31, Nk=45), dict(causal="top_left")),
-    "causal-bottom-right-Nq>Nk": (dict(Nq=45, Nk=31), dict(causal="bottom_right")),
-    "causal-bottom-right-Nq<Nk": (dict(Nq=7, Nk=64), dict(causal="bottom_right")),
-    # several query tiles and several (batch, head): causal launches order blocks tile-major
-    "causal-tiles-heads": (dict(Hq=2, Hk=1, Nq=70, Nk=75), dict(causal="bottom_right")),
-    "window": (dict(Nq=40, Nk=40), dict(window=(3, 2))),
-    "window-0-0": (dict(Nq=9, Nk=9), dict(window=(0, 0))),
-    "gqa-dv": (dict(Hq=4, Hk=2, Nq=9, Nk=33, D=16, Dv=24), dict(causal="top_left")),
-    "mqa-d1": (dict(Hq=3, Hk=1, Nq=6, Nk=5, D=1, Dv=3), {}),
-    "kv-lengths": (dict(B=3, Nq=6, Nk=34), dict(kv_lengths=np.array([0, 5, 34]),
-                                               causal="bottom_right")),
-    "mask-broadcast": (dict(B=2, Nq=9, Nk=35), "mask"),
-    "d40-scale": (dict(Nq=9, Nk=12, D=40), dict(scale=0.05)),
-    "d96": (dict(Hq=1, Nq=33, Nk=33, D=96), dict(causal="bottom_right")),
-    "d256-dv200": (dict(Hq=1, Nq=17, Nk=17, D=256, Dv=200), dict(causal="top_left")),
-}
+EDGES = {case.name: case for case in edge_cases()}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(EDGES))
 def test_against_reference(name, poisoned):
-    shape, options = CASES[name]
-    q, k, v = inputs(zlib.crc32(name.encode()), **shape)
-    if options == "mask":
-        rng = np.random.default_rng(0)
-        mask = rng.random((q.shape[2], k.shape[2])) < 0.5
-        mask[2] = False  # a fully masked row
-        mask[3] = False
-        mask[3, -1] = True  # a single visible key, in the tail tile
-        options = dict(mask=mask)
+    """verify's edge cases (verify.cases.edge_cases), every output buffer poisoned."""
+    q, k, v, options = make_inputs(EDGES[name], zlib.crc32(name.encode()))
     out, lse = check(q, k, v, **options)
-    if name == "mask-broadcast":
-        assert (out[:, :, 2] == 0).all() and (lse[:, :, 2] == -np.inf).all()
+    if "mask" in options:  # a row that sees no key: out = 0, lse = -inf (the contract)
+        empty = ~np.broadcast_to(options["mask"], lse.shape + k.shape[2:3]).any(-1)
+        assert (out[empty] == 0).all() and (lse[empty] == -np.inf).all()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

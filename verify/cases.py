@@ -331,6 +331,40 @@ def battery(suite="quick", dtypes=KERNEL_DTYPES, max_head_dim=256):
     return cases
 
 
+def edge_cases(dtype="float32"):
+    """Sizes at the edges of the tiles kernels use (one row, one key, a tile of 16, 32 or 64
+    plus or minus one, a partial last tile in both directions), each with the option that
+    moves the edge: causal alignments, a window, kv_lengths of 0 and 1, GQA with Dv != D,
+    head dims 1, 40, 96 and 256 with 200. Small enough for the CUDA simulator; the Numba
+    kernel's tests run them with every output buffer poisoned."""
+    def case(name, **kw):
+        base = dict(B=1, Hq=2, Hk=1, Nq=5, Nk=7, D=16, Dv=16, dtype=dtype)
+        base.update(kw)
+        return Case(name=f"edge: {name}", **base)
+
+    return [
+        case("tails 65x33", Nq=65, Nk=33),
+        case("one row, one key", Nq=1, Nk=1),
+        case("causal top_left 31x45", Nq=31, Nk=45, causal="top_left"),
+        case("causal bottom_right 45x31", Nq=45, Nk=31, causal="bottom_right"),
+        case("causal bottom_right 7x64", Nq=7, Nk=64, causal="bottom_right"),
+        case("causal over tiles and heads 70x75", Hq=2, Hk=1, Nq=70, Nk=75,
+             causal="bottom_right"),
+        case("window (3, 2) 40x40", Nq=40, Nk=40, window=(3, 2)),
+        case("window (0, 0) 9x9", Nq=9, Nk=9, window=(0, 0)),
+        case("GQA, Dv != D 9x33", Hq=4, Hk=2, Nq=9, Nk=33, D=16, Dv=24, causal="top_left"),
+        case("MQA, head dim 1", Hq=3, Hk=1, Nq=6, Nk=5, D=1, Dv=3),
+        case("kv_lengths 0, 1, Nk", B=3, Nq=6, Nk=34, kv_lengths="edges",
+             causal="bottom_right"),
+        case("mask with empty rows 9x35", B=2, Nq=9, Nk=35, mask="empty-rows"),
+        case("mask, one key a row 9x35", B=2, Nq=9, Nk=35, mask="single-key"),
+        case("head dim 40, scale 0.05", Nq=9, Nk=12, D=40, Dv=40, scale=0.05),
+        case("head dim 96 33x33", Hq=1, Nq=33, Nk=33, D=96, Dv=96, causal="bottom_right"),
+        case("head dim 256, Dv 200 17x17", Hq=1, Nq=17, Nk=17, D=256, Dv=200,
+             causal="top_left"),
+    ]
+
+
 SCALE_N = 65552  # SCALE_N**2 > 2**32 scores
 
 
