@@ -53,3 +53,24 @@ def attention_lowp(q, k, v, *, scale=None, causal=False, mask=None, bias=None, k
                        rows=check_rows(rows, pb.n_q))
     out = round_to(out, dtype)
     return (out, lse) if return_lse else out
+
+
+def attention_backward_lowp(q, k, v, dout, *, scale=None, causal=False, mask=None, bias=None,
+                            kv_lengths=None, window=None, round_p=True, dtype=None):
+    """The gradients as a plain float32-accumulating kernel computes them for inputs of q's
+    dtype: q, k, v and dout rounded to that dtype, P and dS rounded to it before the products
+    that take them (round_p), dq, dk, dv rounded to it at the end. Same arguments as
+    reference.attention_backward (no dbias); dtype as in attention_lowp. Returns (dq, dk,
+    dv), float32 arrays holding values of the emulated dtype."""
+    from .backward import backward, check_dout
+
+    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                              kv_lengths=kv_lengths, window=window, dtypes=KERNEL_DTYPES)
+    check_dout(pb, dout)
+    dtype = dtype or pb.dtype
+    if dtype != pb.dtype:
+        q, k, v = (round_to(x, dtype) for x in (q, k, v))
+    dout = round_to(dout, dtype)
+    grads = backward(pb, q, k, v, dout, mask, bias, kv_lengths, compute="float32",
+                     round_fn=round_to if round_p else None, p_dtype=dtype)
+    return tuple(round_to(g, dtype) for g in grads[:3])
