@@ -1,4 +1,5 @@
-"""Speed and memory of the float64 reference against the plainest chunked NumPy loop.
+"""Speed and memory of the float64 reference (forward and backward) against the plainest
+chunked NumPy loop.
 
     python benchmarks/reference_speed.py [--bh 16] [--n 4096] [--d 128]
 
@@ -52,12 +53,16 @@ def main():
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, a.bh, a.n, a.d)) for _ in range(3))
     mask = rng.random((a.n, a.n)) < 0.9
+    dout = rng.standard_normal(q.shape)
     runs = [
         ("plain chunked loop", lambda: plain_loop(q, k, v)),
         ("reference.attention", lambda: reference.attention(q, k, v)),
         ("  causal bottom_right", lambda: reference.attention(q, k, v, causal="bottom_right")),
         ("  mask (Nq, Nk)", lambda: reference.attention(q, k, v, mask=mask)),
         ("  window (256, 0)", lambda: reference.attention(q, k, v, window=(256, 0))),
+        ("attention_backward", lambda: reference.attention_backward(q, k, v, dout)),
+        ("  causal bottom_right", lambda: reference.attention_backward(
+            q, k, v, dout, causal="bottom_right")),
     ]
     out_bytes = q.nbytes  # the output, which every variant must allocate
     print(f"B*H={a.bh} N={a.n} D={a.d} float64; extra memory excludes the {out_bytes / 2**20:.0f}"

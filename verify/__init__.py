@@ -15,6 +15,7 @@ import sys
 import time
 
 from .adapters import Implementation, Supports, builtin, load
+from .backward import backward_battery, for_backward
 from .cases import Case, battery
 from .criterion import compare as compare_arrays
 from .report import CaseResult, Report, battery_hash, environment
@@ -25,7 +26,8 @@ __all__ = ["compare", "replay", "assert_conforms", "Implementation", "Supports",
 
 
 def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports=None,
-            suite="quick", seed=0, progress=True, timeout=None, cases=None):
+            suite="quick", seed=0, progress=True, timeout=None, cases=None, backward=False,
+            grad=None):
     """Run a suite against `impl` and return a Report.
 
     impl: a built-in name ("numba", "torch-efficient", ...), "MODULE:CALLABLE", an
@@ -34,6 +36,9 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
     implementation's own; dtypes limits the battery; timeout (seconds) bounds each call (a
     case whose call hangs fails, and the cases after it are skipped: a hung GPU serves no
     more calls). cases: run these (a list of (Case, seed)) instead of the suite.
+    backward: certify dq, dk, dv instead of the forward (verify.backward), on the suite's
+    backward battery; grad: fn(q, k, v, dout, **options) -> (dq, dk, dv) in impl's array
+    type, where impl is not a differentiable torch or JAX forward.
     """
     impl_spec = impl if isinstance(impl, str) else getattr(impl, "name", None) or _spec(impl)
     impl = _implementation(impl)
@@ -43,13 +48,22 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
             setattr(impl, name, value)
     if impl.timeout_s is None or not impl.timeout_s > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {impl.timeout_s}")
+    if any(case.backward for case, _ in cases or []):  # a replay of a backward suite
+        backward = True
+    if backward or grad is not None:
+        if suite == "scale":
+            raise ValueError("backward=True: the scale suite has no backward cases")
+        impl = for_backward(impl, grad)
+        backward = True
     dtypes = tuple(dtypes or impl.supports.dtypes)
     # Claimed capabilities must be covered by the standard batteries; a replay's few cases
     # and the scale suite's six are not meant to cover them.
     explicit = cases is not None or suite == "scale"
     if cases is None:
+        make = backward_battery if backward else battery
         cases = [(c, seed + i) for i, c in enumerate(
-            battery(suite, dtypes, max_head_dim=impl.supports.max_head_dim))]
+            make(suite, dtypes, max_head_dim=impl.supports.max_head_dim))]
+    suite = f"{suite} backward" if backward and not explicit else suite
     report = Report(impl.describe(), suite, seed, environment(impl), impl_spec=impl_spec,
                     battery_hash=battery_hash([c for c, _ in cases]))
     t0, hung = time.perf_counter(), None
@@ -74,7 +88,8 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
         print(file=sys.stderr)
     if not explicit:  # what the cases that ran exercised, of this run's dtypes
         report.coverage = impl.supports.coverage(
-            [r.case for r in report.cases if r.verdict in ("pass", "fail")], dtypes)
+            [r.case for r in report.cases if r.verdict in ("pass", "fail")], dtypes,
+            backward=backward)
     report.costs = impl.costs_line()
     return report
 

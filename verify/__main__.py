@@ -1,11 +1,13 @@
-"""python -m verify IMPL [--suite auto|quick|standard|full|scale] [--dtype ...] [--json PATH]
+"""python -m verify IMPL [--suite auto|quick|standard|full|scale] [--backward] [--dtype ...]
+                        [--json PATH]
    python -m verify --replay CERTIFICATE.json [IMPL]
 
 IMPL: a built-in adapter (numba, numba-plain, reference, torch-math, torch-efficient,
 torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn) or MODULE:CALLABLE. Prints the report; writes the
 JSON certificate with --json. --replay re-runs a certificate's failed cases with their seeds
-(against IMPL, or the implementation the certificate names). Exit code 0 only when the
-implementation passes; 2 for a bad command line.
+(against IMPL, or the implementation the certificate names). --backward certifies the
+gradients dq, dk, dv instead (through autograd or jax.vjp for torch and JAX implementations).
+Exit code 0 only when the implementation passes; 2 for a bad command line.
 """
 import argparse
 import sys
@@ -24,6 +26,8 @@ def main(argv=None):
                                                         "scale"],
                     help="auto (default): standard on a GPU, quick in the CUDA simulator; "
                          "scale: 32-bit index limits crossed (a GPU's memory, sampled rows)")
+    ap.add_argument("--backward", action="store_true",
+                    help="certify the gradients dq, dk, dv (the suite's backward battery)")
     ap.add_argument("--dtype", action="append", dest="dtypes",
                     choices=["float32", "float16", "bfloat16"],
                     help="limit to this dtype (repeatable); default: all it claims")
@@ -48,7 +52,8 @@ def main(argv=None):
         if a.replay:
             report = replay(a.replay, a.impl, **options)
         else:
-            report = compare(a.impl, dtypes=a.dtypes, suite=suite, seed=a.seed, **options)
+            report = compare(a.impl, dtypes=a.dtypes, suite=suite, seed=a.seed,
+                             backward=a.backward, **options)
     except (ValueError, ImportError, AttributeError, OSError, KeyError) as e:
         print(f"python -m verify: {e}", file=sys.stderr)
         return 2

@@ -38,6 +38,7 @@ class Supports:
     fully_masked: str = "zeros"  # rows with no visible key: "zeros" (the contract), "nan", "mean"
     batch_invariant: bool = True  # each (batch, head) alone gives bitwise the batched result
     out_buffer: bool = False  # takes out= (a caller's array, possibly a view) and fills it
+    backward: bool = False  # gives dq, dk, dv (Implementation.grad): the backward suites
 
     def claims(self, case):
         """(True, "") or (False, the feature this case needs and the implementation lacks)."""
@@ -51,7 +52,8 @@ class Supports:
                   "kv_lengths": lambda: self.kv_lengths, "gqa": lambda: self.gqa,
                   "dv_differs": lambda: self.dv_differs,
                   "nonfinite_hidden": lambda: self.nonfinite_hidden,
-                  "out_buffer": lambda: self.out_buffer}[kind]()
+                  "out_buffer": lambda: self.out_buffer,
+                  "backward": lambda: self.backward}[kind]()
             if not ok:
                 return False, f
         if max(case.D, case.Dv) > self.max_head_dim:
@@ -66,16 +68,19 @@ class Supports:
         caps = [f"dtype:{d}" for d in self.dtypes] + [f"causal:{c}" for c in self.causal]
         caps += [f"scale:{s}" for s in self.scale] + [f"head_dim:{self.max_head_dim}"]
         caps += [name for name in ("mask", "bias", "kv_lengths", "window", "gqa", "dv_differs",
-                                   "lse", "nonfinite_hidden", "out_buffer")
+                                   "lse", "nonfinite_hidden", "out_buffer", "backward")
                  if getattr(self, name)]
         return caps
 
-    def coverage(self, cases, dtypes=None):
+    def coverage(self, cases, dtypes=None, backward=False):
         """{claimed capability: names of the claimed cases among `cases` exercising it}; the
-        dtype capabilities only for `dtypes` when given (a run limited to some dtypes)."""
-        cov = {cap: [] for cap in self.capabilities()
-               if dtypes is None or not cap.startswith("dtype:")
-               or cap[len("dtype:"):] in dtypes}
+        dtype capabilities only for `dtypes` when given (a run limited to some dtypes). A
+        backward suite answers for every claim but lse and out_buffer (forward outputs), a
+        forward suite for every claim but backward."""
+        skip = ("lse", "out_buffer") if backward else ("backward",)
+        cov = {cap: [] for cap in self.capabilities() if cap not in skip and (
+               dtypes is None or not cap.startswith("dtype:")
+               or cap[len("dtype:"):] in dtypes)}
         for case in cases:
             if self.claims(case)[0]:
                 for cap in self.exercised_by(case) & set(cov):
@@ -85,7 +90,7 @@ class Supports:
     def exercised_by(self, case):
         """The claimed capabilities a case (that is claimed) exercises."""
         caps = set(case.features())
-        if self.lse:
+        if self.lse and not case.backward:
             caps.add("lse")
         if max(case.D, case.Dv) == self.max_head_dim:
             caps.add(f"head_dim:{self.max_head_dim}")
@@ -104,11 +109,15 @@ class Implementation:
     timeout_s: float = 120.0
     # Optional: a callable returning a line on costs outside the calls' own time (compiles).
     costs: object = None
+    # Optional: grad(q, k, v, dout, **options) -> (dq, dk, dv), in the implementation's array
+    # type and layout (verify.backward: torch_grad and jax_grad make one from a forward).
+    grad: object = None
+    differentiable: bool = True  # fn can be differentiated by its framework (torch, JAX)
 
     def describe(self):
         d = asdict(self)
-        d.pop("fn")
-        d.pop("costs")
+        for name in ("fn", "costs", "grad"):
+            d.pop(name)
         return d
 
     def costs_line(self):
@@ -156,7 +165,12 @@ def _reference():
         out = out.astype(q.dtype)
         return (out, lse.astype(np.float32)) if return_lse else out
 
-    return Implementation("reference", fn, Supports(), version="float64, flash-conformance")
+    def grad(q, k, v, dout, **options):
+        grads = reference.attention_backward(q, k, v, dout, **options)
+        return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+    return Implementation("reference", fn, Supports(backward=True),
+                          version="float64, flash-conformance", grad=grad)
 
 
 def _numba(plain=False):
@@ -185,7 +199,8 @@ def _numba(plain=False):
                           array="torch" if on_gpu else "numpy",
                           device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
-                          + ("" if on_gpu else " (CUDA simulator)"), costs=costs)
+                          + ("" if on_gpu else " (CUDA simulator)"), costs=costs,
+                          differentiable=False)
 
 
 BOTH = ("top_left", "bottom_right")

@@ -44,7 +44,8 @@ class Case:
     window: tuple = None
     mask: str = None  # None, "random", "diagonal", "empty-rows", "single-key"
     kv_lengths: str = None  # None, "random", "edges" (0, 1 and Nk)
-    values: str = "normal"  # normal, large, tiny, ties, nan-hidden, inf-hidden, nan-visible
+    values: str = "normal"  # normal, large, scaled, tiny, ties, nan-hidden, inf-hidden,
+    #                         nan-visible
     strided: bool = False  # inputs are non-contiguous views
     repeat: bool = False  # run twice, outputs must be bitwise equal
     scale: float = None  # an explicit scale (None: the default 1 / sqrt(D))
@@ -53,6 +54,8 @@ class Case:
     poison: str = None  # "k:nan", "v:-inf", ...: keys some rows see and others do not
     check: str = None  # a property of the call beyond its values (CHECKS)
     sampled: bool = False  # judged on sample_rows(case) only (the scale suite's sizes)
+    backward: bool = False  # judges dq, dk, dv for an incoming gradient dout (verify.backward)
+    dout: str = "normal"  # dout's values or layout: normal, large, tiny, strided (DOUTS)
 
     def to_dict(self):
         return asdict(self)
@@ -81,6 +84,8 @@ class Case:
                               "positive" if self.scale > 0 else "negative"))
         if self.check == "out-buffer":
             f.add("out_buffer")
+        if self.backward:
+            f.add("backward")
         return f
 
 
@@ -99,6 +104,8 @@ def make_inputs(case, seed):
         q, k, v = q * 1e-3, k * 1e-3, v * 1e-3
     elif case.values == "ties":  # few distinct scores: many exact ties in every row
         q, k = np.sign(q), np.sign(k)
+    elif case.values == "scaled":  # scores 16 times their usual size: peaked softmax rows
+        q, k = q * 4.0, k * 4.0
     options = {}
     if case.scale is not None:
         options["scale"] = case.scale

@@ -194,5 +194,49 @@ def judge(q, k, v, out, lse=None, dtype=None, rows=None, **options):
     return result
 
 
+def judge_backward(q, k, v, dout, grads, dtype=None, **options):
+    """Compare a kernel's (dq, dk, dv) for inputs q, k, v and incoming gradient dout with the
+    reference's, under the same rule as the forward: one Comparison per gradient, the plain
+    implementation being reference.attention_backward_lowp, the floor's score term
+    gradient_score_rounding's."""
+    import reference
+
+    dtype = dtype or reference.dtype_name(q)
+    truth = reference.attention_backward(q, k, v, dout, **options)
+    plain = reference.attention_backward_lowp(q, k, v, dout, dtype=dtype, **options)
+    terms = gradient_score_rounding(q, k, v, dout, options)
+    return [compare(name, g, _host(t), _host(p), dtype, term)
+            for name, g, t, p, term in zip(("dq", "dk", "dv"), grads, truth, plain, terms)]
+
+
+def gradient_score_rounding(q, k, v, dout, options):
+    """(dq, dk, dv) terms of the floor: what rounding the scores to float32 once can do to
+    each gradient. A backward kernel recomputes P = exp(S - lse) in float32, so each weight
+    carries a relative error up to d = 2 u max|lse| (as in the forward's score_rounding).
+    Through dV = P^T dO that moves dV by at most d max(P^T |dO|); through dS = P (dP - delta),
+    with |dP_ij| <= ||dO_i||_1 max|v|, it moves each dS_ij by at most 3 d P_ij ||dO_i||_1
+    max|v|, hence dQ = dS K scale by 3 d scale max|k| max|v| max_i ||dO_i||_1, and dK = dS^T
+    Q scale by 3 d scale max|q| max|v| max_j sum_c (P^T |dO|)_jc. P^T |dO| is the truth's
+    dV for the incoming gradient |dO|."""
+    import reference
+
+    _, lse = reference.attention(q, k, v, return_lse=True, **options)
+    lse = np.asarray(_host(lse), dtype=np.float64)
+    d = 2.0 * U_SCORES * float(np.abs(lse[np.isfinite(lse)]).max(initial=0.0))
+    if d == 0.0:
+        return 0.0, 0.0, 0.0
+    dout_abs = np.abs(np.asarray(_host(dout), dtype=np.float64))
+    dout_abs = np.where(np.isfinite(dout_abs), dout_abs, 0.0)
+    clean = [np.where(np.isfinite(x), x, 0.0) for x in
+             (np.asarray(_host(y), dtype=np.float64) for y in (q, k, v))]
+    weight = reference.attention_backward(*clean, dout_abs, **options)[2]  # P^T |dO|
+    scale = abs(reference.check_attention_args(q, k, v, **options).scale)
+    qmax, kmax, vmax = (finite_abs_max(_host(x)) for x in (q, k, v))
+    row_l1 = float(dout_abs.sum(axis=-1).max(initial=0.0))
+    return (3.0 * d * scale * kmax * vmax * row_l1,
+            3.0 * d * scale * qmax * vmax * float(weight.sum(axis=-1).max(initial=0.0)),
+            d * float(weight.max(initial=0.0)))
+
+
 def _host(x):
     return x.get() if hasattr(x, "get") else x

@@ -36,6 +36,10 @@ def run_case(impl, case, seed, say=None):
     phases = _Phases(say if case.sampled else None)
     phases.start("drawing the inputs")
     inputs = make_inputs(case, seed)
+    if case.backward:
+        from .backward import run_backward_case
+
+        return run_backward_case(impl, case, seed, inputs)
     phases.start("calling")
     t0 = time.perf_counter()
     try:

@@ -1,0 +1,94 @@
+"""Deliberately broken attention backward kernels: verify.compare(backward=True) must fail
+every one, for its reason.
+
+`grad(bug)` is a float32 FlashAttention-2 backward in NumPy (P recomputed from the lse, key
+tiles of BLOCK_N, dQ gathered over the key tiles) that is correct with bug=None and carries
+exactly one classic bug otherwise. The forward it pairs with is the reference's.
+"""
+import itertools
+
+import numpy as np
+
+from reference.contract import check_attention_args, dense_visible
+from reference.naive import weighted_values
+
+BLOCK_N = 16
+CALLS = itertools.count()
+BUGS = {  # bug: (a case that must fail, a phrase its failure must contain)
+    "delta-omitted": ("shape 65x33 [float32] (backward)", "dq: mismatched"),
+    "p-without-scale": ("shape 65x33 [float32] (backward)", "mismatched"),
+    "dk-not-scaled": ("shape 65x33 [float32] (backward)", "dk: mismatched"),
+    "gqa-one-head": ("GQA 4:1 (backward)", "dk: mismatched"),
+    "ds-not-masked": ("NaN past kv_lengths (backward)", "non-finite"),
+    "dq-order-varies": ("backward: determinism", "differ: dq"),
+    "dv-unnormalised": ("shape 65x33 [float32] (backward)", "dv: mismatched"),
+}
+
+
+def grad(bug=None):
+    """grad(q, k, v, dout, **options) -> (dq, dk, dv) for NumPy float32 inputs."""
+    assert bug is None or bug in BUGS, bug
+
+    def attention_grad(q, k, v, dout, *, scale=None, causal=False, mask=None, bias=None,
+                       kv_lengths=None, window=None):
+        pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                                  kv_lengths=kv_lengths, window=window)
+        full = (pb.batch, pb.heads_q, pb.n_q, pb.n_k)
+        keep = np.broadcast_to(dense_visible(pb, mask, kv_lengths), full)
+        bias = np.zeros(full, np.float32) if bias is None else np.broadcast_to(
+            np.asarray(bias, np.float32), full)
+        keep = keep & (bias != -np.inf)
+        heads = [h // pb.group for h in range(pb.heads_q)]
+        qf, dof = q.astype(np.float32), dout.astype(np.float32)
+        kf, vf = (x.astype(np.float32)[:, heads] for x in (k, v))
+        with np.errstate(all="ignore"):
+            dq, dk, dv = _grads(bug, pb, qf, kf, vf, dof, keep, bias)
+        if bug == "gqa-one-head":  # the group's first head only, not the sum
+            dk, dv = dk[:, ::pb.group], dv[:, ::pb.group]
+        else:
+            dk, dv = (x.reshape(pb.batch, pb.heads_k, pb.group, *x.shape[2:]).sum(2)
+                      for x in (dk, dv))
+        return tuple(x.astype(q.dtype) for x in (dq, dk, dv))
+
+    attention_grad.__name__ = f"broken_grad[{bug}]"
+    return attention_grad
+
+
+def _grads(bug, pb, qf, kf, vf, dof, keep, bias):
+    """dq (B, Hq, Nq, D), and dk, dv per query head (B, Hq, Nk, .) before the group sum."""
+    scale = np.float32(pb.scale)
+    s = np.where(keep, qf @ np.swapaxes(kf, -1, -2) * scale + bias, -np.inf)
+    m = s.max(-1, keepdims=True)
+    m = np.where(m == -np.inf, 0, m)
+    e = np.exp(s - m)
+    l = e.sum(-1, keepdims=True)  # noqa: E741
+    lse = np.where(l == 0, -np.inf, m + np.log(l))  # what the forward saved
+    if bug == "p-without-scale":  # P recomputed from raw scores
+        s = np.where(keep, qf @ np.swapaxes(kf, -1, -2) + bias, -np.inf)
+    p = np.where(lse == -np.inf, 0, np.exp(s - lse))
+    out = weighted_values(p, keep, vf, np)
+    dp = dof @ np.swapaxes(vf, -1, -2)
+    if bug != "ds-not-masked":
+        dp = np.where(keep, dp, 0)
+    delta = (dof * out).sum(-1, keepdims=True) if bug != "delta-omitted" else 0
+    ds = p * (dp - delta)
+    if bug != "ds-not-masked":
+        ds = np.where(keep, ds, 0)
+    keep_t = np.swapaxes(keep, -1, -2)
+    p_for_dv = e if bug == "dv-unnormalised" else p  # exp(S - m) without the 1 / l
+    dv = weighted_values(np.swapaxes(p_for_dv, -1, -2), keep_t, dof, np)
+    dk = weighted_values(np.swapaxes(ds, -1, -2), keep_t, qf, np)
+    dk = dk * scale if bug != "dk-not-scaled" else dk
+    return _dq(bug, ds, keep, kf, scale), dk, dv
+
+
+def _dq(bug, ds, keep, kf, scale):
+    """dQ gathered over the key tiles, in tile order (a kernel's atomics: in any order)."""
+    tiles = list(range(0, kf.shape[2], BLOCK_N))
+    if bug == "dq-order-varies":
+        np.random.default_rng(next(CALLS)).shuffle(tiles)
+    dq = np.zeros(ds.shape[:3] + kf.shape[3:], np.float32)
+    for j0 in tiles:
+        cols = slice(j0, j0 + BLOCK_N)
+        dq += weighted_values(ds[..., cols], keep[..., cols], kf[:, :, cols], np) * scale
+    return dq

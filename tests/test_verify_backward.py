@@ -1,0 +1,81 @@
+"""verify's gradients (verify/backward.py): every broken backward kernel fails for its reason,
+its unbroken twin, the reference and torch's math backend pass, and every claim is exercised."""
+import time
+
+import pytest
+
+import verify
+from tests.broken_backward import BUGS, grad
+from tests.broken_kernels import kernel
+from tests.test_verify import CLAIMS
+from verify.adapters import Supports
+from verify.backward import backward_battery
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_each_broken_backward_fails_for_its_reason(bug):
+    case_name, phrase = BUGS[bug]
+    report = verify.compare(kernel(None), grad=grad(bug), suite="quick", progress=False)
+    assert not report.passed
+    hit = [r for r in report.failures if r.case.name == case_name]
+    assert hit, f"{case_name!r} did not fail; failures: {[r.case.name for r in report.failures]}"
+    assert phrase in hit[0].detail, hit[0].detail
+
+
+def test_the_unbroken_backward_twin_passes():
+    report = verify.compare(kernel(None), grad=grad(None), suite="quick", progress=False)
+    assert report.passed, str(report)
+    assert report.suite == "quick backward" and not report.unexercised
+
+
+@pytest.mark.parametrize("suite", ["quick", "standard"])
+def test_the_reference_passes_the_backward_suites(suite):
+    t0 = time.perf_counter()
+    report = verify.compare("reference", backward=True, suite=suite, progress=False)
+    assert report.passed, str(report)
+    assert [r.case for r in report.cases if r.verdict != "pass"] == []
+    if suite == "quick":
+        assert time.perf_counter() - t0 < 120  # the issue's bound; about 1 s here
+
+
+def test_torch_math_passes_the_quick_backward_suite():
+    pytest.importorskip("torch")
+    report = verify.compare("torch-math", backward=True, suite="quick", progress=False)
+    assert report.passed, str(report)
+
+
+@pytest.mark.parametrize("suite", ["quick", "standard", "full"])
+@pytest.mark.parametrize("claims", list(CLAIMS))
+def test_every_claimed_capability_is_exercised_by_the_backward_battery(suite, claims):
+    from dataclasses import replace
+
+    supports = replace(CLAIMS[claims], backward=True)
+    cases = backward_battery(suite, supports.dtypes, max_head_dim=supports.max_head_dim)
+    cov = supports.coverage(cases, backward=True)
+    missing = [cap for cap, names in cov.items() if not names]
+    assert not missing, f"verify bug: {claims} claims {missing}, no backward {suite} case"
+    assert "lse" not in cov and "backward" in cov
+
+
+def test_backward_needs_gradients():
+    with pytest.raises(ValueError, match="numba has no backward pass"):
+        verify.compare("numba", backward=True, progress=False)
+    with pytest.raises(ValueError, match="pass grad=fn"):
+        verify.compare(kernel(None), backward=True, progress=False)
+    with pytest.raises(ValueError, match="scale suite has no backward"):
+        verify.compare("reference", backward=True, suite="scale", progress=False)
+    report = verify.compare(kernel(None), supports=Supports(), progress=False, suite="quick",
+                            cases=[])
+    assert "backward" not in report.coverage  # a forward run answers for no gradients
+
+
+def test_a_backward_certificate_replays_its_failures(tmp_path):
+    report = verify.compare(kernel(None), grad=grad("dk-not-scaled"), suite="quick",
+                            progress=False)
+    path = tmp_path / "cert.json"
+    report.save(str(path))
+    again = verify.replay(str(path), kernel(None), grad=grad("dk-not-scaled"), progress=False)
+    assert [r.case.name for r in again.cases] == [r.case.name for r in report.failures]
+    assert all(r.verdict == "fail" and "dk:" in r.detail for r in again.cases)
+    fixed = verify.replay(str(path), kernel(None), grad=grad(None), progress=False)
+    assert fixed.passed and len(fixed.cases) == len(report.failures)
