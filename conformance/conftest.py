@@ -69,6 +69,21 @@ def impl(pytestconfig):
 
 
 @pytest.fixture(scope="session")
+def grad_impl(pytestconfig, impl):
+    """The implementation with its gradients, for the gradient properties: with --backward,
+    or when it declares gradients (Implementation.grad); skipped otherwise."""
+    from verify.backward import for_backward
+
+    if not (pytestconfig.getoption("--backward") or impl.grad is not None):
+        pytest.skip(f"{impl.name}: gradients not under test (--backward, or declare "
+                    "Implementation.grad)")
+    try:
+        return for_backward(impl)
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
+
+
+@pytest.fixture(scope="session")
 def limits(pytestconfig):
     from .profiles import LIMITS
 

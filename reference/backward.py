@@ -105,22 +105,24 @@ def _block(pb, q_b, k_b, v_b, do_b, lo, hi, j0, j1, mask_b, bias_b, compute, rou
     scale = np.dtype(compute).type(pb.scale)
     bias_b = None if bias_b is None else bias_b.astype(compute)
     keep = visible(lo, hi, j0, j1, mask_b, bias_b, xp)
-    with quiet(xp):
-        s = q_b @ k_b.T * scale  # (G, R, n)
+    with quiet(xp):  # in place where it can be: these are the largest arrays
+        s = q_b @ k_b.T  # (G, R, n)
+        s *= scale
         if bias_b is not None:
             s += bias_b
         if keep is not None:
             s = xp.where(keep, s, -xp.inf)
         m = s.max(axis=-1, keepdims=True)
-        m = xp.where(m == -xp.inf, 0, m)
-        p = xp.exp(s - m)
+        s -= xp.where(m == -xp.inf, 0, m)
+        p = xp.exp(s, out=s)
         l = p.sum(axis=-1, keepdims=True)  # noqa: E741
-        p = xp.where(l == 0, 0, p / l)  # P; a row that sees no key: 0
+        p /= xp.where(l == 0, 1, l)  # P; a row that sees no key: all 0 already
         dp = do_b @ v_b.T  # hidden keys' values (NaN, inf) must not reach dS: selected away
         if keep is not None:
             dp = xp.where(keep, dp, 0)
-        delta = (p * dp).sum(axis=-1, keepdims=True)
-        ds = p * (dp - delta)
+        delta = xp.einsum("grn,grn->gr", p, dp)[..., None]
+        dp -= delta
+        ds = xp.multiply(p, dp, out=dp)  # dS = P (dP - delta)
         if keep is not None:  # hidden keys: 0, even where delta is NaN or inf
             ds = xp.where(keep, ds, 0)
         p_r, ds_r = rnd(p), rnd(ds)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine: verify's suites against our kernel, every PyTorch SDPA backend and JAX,
 # the kernel's A/B timing against an older version, its battery and sanitizers.
-# STEPS picks the parts (default "ab check verify broken scale"); logs and certificates go
+# STEPS picks the parts (default "ab check verify broken findings scale"; "backward" runs the
+# standard backward suite on BACKWARD_IMPLS); logs and certificates go
 # to $OUT. The A/B runs alone (timing); the correctness steps run side by side.
 set -u
 OUT=${OUT:-out}
@@ -11,6 +12,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX would take 75% of the GPU's me
 STEPS=${STEPS:-ab check verify broken findings scale}
 IMPLS=${IMPLS:-numba torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
 SCALE_IMPLS=${SCALE_IMPLS:-numba torch-efficient}
+BACKWARD_IMPLS=${BACKWARD_IMPLS:-torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
 step() { [[ " $STEPS " == *" $1 "* ]]; }
 summary() {  # the failure map and the verdict line of a verify log
   grep -E "^(failure map|  |fully masked|VERIFY BUG|.* passed, .* failed)" "$1" | head -8
@@ -35,6 +37,15 @@ if step verify; then
     pids+=($!)
   done
 fi
+if step backward; then
+  for impl in $BACKWARD_IMPLS; do
+    (start=$(date +%s)
+     timeout 420 python3 -W ignore -m verify "$impl" --suite standard --backward --timeout 60 \
+       --json "$OUT/backward-$impl.json" > "$OUT/backward-$impl.log" 2>&1
+     echo "rc=$? in $(( $(date +%s) - start )) s" >> "$OUT/backward-$impl.log") &
+    pids+=($!)
+  done
+fi
 if step broken; then
   (timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_verify.py \
      -k "default_stream" > "$OUT/broken.log" 2>&1; echo "rc=$?" >> "$OUT/broken.log") &
@@ -46,6 +57,12 @@ if step verify; then
   for impl in $IMPLS; do
     echo "== verify $impl (standard): $(tail -1 "$OUT/verify-$impl.log")"
     summary "$OUT/verify-$impl.log"
+  done
+fi
+if step backward; then
+  for impl in $BACKWARD_IMPLS; do
+    echo "== verify $impl (standard backward): $(tail -1 "$OUT/backward-$impl.log")"
+    summary "$OUT/backward-$impl.log"
   done
 fi
 if step broken; then echo "== broken default-stream kernel: $(tail -2 "$OUT/broken.log" | head -1)"; fi

@@ -92,3 +92,16 @@ def _dq(bug, ds, keep, kf, scale):
         cols = slice(j0, j0 + BLOCK_N)
         dq += weighted_values(ds[..., cols], keep[..., cols], kf[:, :, cols], np) * scale
     return dq
+
+
+def _implementation(bug):
+    """The reference-like forward of broken_kernels with grad(bug): for `--impl` of the
+    conformance suite (tests/test_conformance.py)."""
+    from tests.broken_kernels import kernel
+    from verify.adapters import Implementation
+
+    return Implementation(f"broken backward [{bug}]", kernel(None), grad=grad(bug))
+
+
+CORRECT = _implementation(None)
+DK_NOT_SCALED = _implementation("dk-not-scaled")

@@ -52,3 +52,21 @@ def test_runs_from_another_directory(tmp_path):
                          timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "1 passed" in run.stdout and "unrecognized arguments" not in run.stderr
+
+
+def test_the_gradient_properties_catch_a_broken_backward():
+    """An implementation that declares gradients gets the gradient properties without
+    --backward; a dK that misses the scale breaks them, its correct twin passes."""
+    def run(impl):
+        cmd = [sys.executable, "-m", "pytest", "conformance/test_gradients.py", "-p",
+               "no:cacheprovider", "--tb=no", "-W", "ignore", "-k", "error_within or gqa",
+               "--impl", impl, "--max-examples", "3", "--no-shrink"]
+        return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                              capture_output=True, text=True, timeout=600)
+
+    broken = run("tests.broken_backward:DK_NOT_SCALED")
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert "property 'gradient GQA' broken for broken backward [dk-not-scaled]: " \
+           "dk: mismatched" in broken.stdout, broken.stdout
+    correct = run("tests.broken_backward:CORRECT")
+    assert correct.returncode == 0 and "2 passed" in correct.stdout, correct.stdout

@@ -1,0 +1,67 @@
+"""Gradients (dq, dk, dv; verify.backward): error bounds, rows that see no key and hidden keys,
+NaN containment, grouped-query reductions, determinism. Run with --backward, or for an
+implementation that declares gradients."""
+from dataclasses import replace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from .strategies import assert_holds, cases, seeds
+
+
+def _backward(case, **fields):
+    return replace(case, backward=True, **fields)
+
+
+def test_gradient_error_within_bound(grad_impl, limits):
+    @given(case=cases(grad_impl, limits, values=st.sampled_from(("normal", "large", "tiny"))),
+           seed=seeds())
+    def prop(case, seed):
+        assert_holds("gradient error bound", grad_impl, _backward(case), seed)
+
+    prop()
+
+
+@pytest.mark.parametrize("kind", ["empty-rows", "single-key"])
+def test_gradient_masks(grad_impl, limits, kind):
+    if not grad_impl.supports.mask:
+        pytest.skip(f"{grad_impl.name} does not claim mask")
+
+    @given(case=cases(grad_impl, limits, mask=kind), seed=seeds())
+    def prop(case, seed):
+        assert_holds(f"gradient mask {kind}", grad_impl, _backward(case), seed)
+
+    prop()
+
+
+def test_gradient_nan_in_hidden_keys_reaches_nothing(grad_impl, limits):
+    if not (grad_impl.supports.kv_lengths and grad_impl.supports.nonfinite_hidden):
+        pytest.skip(f"{grad_impl.name} does not claim kv_lengths and hidden NaN containment")
+
+    @given(case=cases(grad_impl, limits, kv_lengths="random", values="nan-hidden"),
+           seed=seeds())
+    def prop(case, seed):
+        assert_holds("gradient NaN containment", grad_impl, _backward(case), seed)
+
+    prop()
+
+
+def test_gradient_gqa_reductions(grad_impl, limits):
+    if not grad_impl.supports.gqa:
+        pytest.skip(f"{grad_impl.name} does not claim grouped-query attention")
+
+    @given(case=cases(grad_impl, limits, gqa=st.sampled_from((2, 3, 4))), seed=seeds())
+    def prop(case, seed):
+        assert_holds("gradient GQA", grad_impl, _backward(case), seed)
+
+    prop()
+
+
+def test_gradient_two_runs_bitwise_equal(grad_impl, limits):
+    @given(case=cases(grad_impl, limits), seed=seeds())
+    def prop(case, seed):
+        assert_holds("gradient determinism", grad_impl,
+                     _backward(case, repeat=True, strided=True, dout="strided"), seed)
+
+    prop()
