@@ -1,14 +1,16 @@
-"""A FlashAttention-2 forward kernel written in Python with Numba CUDA.
+"""FlashAttention-2 kernels written in Python with Numba CUDA: the forward, and the backward.
 
-    from numba_kernels import flash_attention
+    from numba_kernels import flash_attention, flash_attention_backward
 
 Runs on NVIDIA GPUs and, unchanged, in Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1).
 Read plain_fwd.py (one thread per query row, the textbook kernel) beside reference/tiled.py,
-then flash_fwd.py (the same algorithm, tuned).
+then flash_fwd.py (the same algorithm, tuned). The backward: plain_bwd.py beside
+reference/tiled_backward.py.
 """
 from .api import flash_attention, plain_attention
+from .backward import flash_attention_backward
 from .launch import compile_times
 from .specs import MAX_HEAD_DIM, choose_spec, shipped_specs
 
-__all__ = ["flash_attention", "plain_attention", "choose_spec", "compile_times",
+__all__ = ["flash_attention", "plain_attention", "flash_attention_backward", "choose_spec", "compile_times",
            "shipped_specs", "MAX_HEAD_DIM"]

@@ -4,11 +4,11 @@
 
 For each variant, in both versions Numba compiles (C-contiguous arrays, what contiguous inputs
 launch, and any-layout arrays, for strided inputs), and for the split-KV merge kernel of each
-dtype, and for the plain kernel (plain_fwd.py, contiguous arrays): numba.cuda.compile_ptx
-for the compute capability, then `ptxas -v`, which reports registers, spills, stack frame and
-shared memory. A variant fails when it spills, needs a stack frame (arrays that fell out of
-registers into local memory; the plain kernel keeps its row there by design, so for it only
-the rest counts), uses more static shared memory than 48 KB, or has a float64 instruction in
+dtype, and for the plain kernels (plain_fwd.py and the backward's plain_bwd.py, contiguous
+arrays): numba.cuda.compile_ptx for the compute capability, then `ptxas -v`, which reports
+registers, spills, stack frame and shared memory. A variant fails when it spills, needs a
+stack frame (arrays that fell out of registers into local memory; the plain kernels keep a
+row or a key there by design, so for them only the rest counts), uses more static shared memory than 48 KB, or has a float64 instruction in
 its PTX (a bare Python float turns float32 arithmetic into float64). The CUDA simulator
 cannot show any of this.
 Exit code 0 only when every variant passes.
@@ -54,9 +54,9 @@ CACHE = os.environ.get("FLASH_PTX_CACHE",
 # Every file the compiled variants are made from (what specs.compile_ptx imports), and this
 # one. A module that a shipped variant comes to import must be added here.
 SOURCES = ("numba_kernels/flash_fwd.py", "numba_kernels/plain_fwd.py",
-           "numba_kernels/convert.py", "numba_kernels/specs.py", "numba_kernels/split_kv.py",
-           "numba_kernels/ptx_report.py", "reference/contract.py", "reference/_xp.py",
-           "reference/dtypes.py", "numba_kernels/numba_internals.py")
+           "numba_kernels/plain_bwd.py", "numba_kernels/convert.py", "numba_kernels/specs.py",
+           "numba_kernels/split_kv.py", "numba_kernels/ptx_report.py", "reference/contract.py",
+           "reference/_xp.py", "reference/dtypes.py", "numba_kernels/numba_internals.py")
 
 
 def dependencies_digest(ptxas):
@@ -124,7 +124,8 @@ def check_variant(args):
                spill_loads=number(r"(\d+) bytes spill loads"),
                stack_frame=number(r"(\d+) bytes stack frame"),
                shared=number(r"(\d+) bytes smem"), f64_instructions=f64)
-    plain = type(spec).__name__ == "PlainSpec"  # reads its row from local memory by design
+    # the plain kernels keep a row (or a key) in local memory by design
+    plain = type(spec).__name__ in ("PlainSpec", "PlainBwdSpec")
     problems = [k for k in ("spill_stores", "spill_loads", "stack_frame", "f64_instructions")
                 if row[k] and not (plain and k != "f64_instructions")]
     if row["shared"] > STATIC_SHARED_LIMIT:
@@ -143,6 +144,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         sys.exit("unset NUMBA_ENABLE_CUDASIM: the simulator cannot compile PTX")
+    from numba_kernels.plain_bwd import plain_bwd_specs
     from numba_kernels.plain_fwd import plain_specs
     from numba_kernels.specs import DTYPES, shipped_specs
 
@@ -152,6 +154,7 @@ def main(argv=None):
     specs = [(s, layout) for s in shipped_specs() for layout in ("C", "A")]
     specs += [(dtype, "A") for dtype in DTYPES]
     specs += [(s, "C") for s in plain_specs()]  # the plain kernel: local memory allowed
+    specs += [(s, "C") for s in plain_bwd_specs()]  # the plain backward kernels likewise
     folder = None if a.no_cache else CACHE
     digest = dependencies_digest(ptxas) if folder else None
     print(f"compiling {len(specs)} kernels for sm_{cc[0]}{cc[1]} with {ptxas}"

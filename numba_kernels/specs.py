@@ -11,6 +11,7 @@ from numba.types import UniTuple, float16
 from reference.dtypes import KERNEL_DTYPES
 from .convert import CONVERTERS, SIMULATOR
 from .flash_fwd import ARGS, FASTMATH, KernelSpec, kernel_source
+from .plain_bwd import DELTA_ARGS, DKDV_ARGS, DQ_ARGS, PlainBwdSpec, bwd_kernel_source
 from .plain_fwd import PLAIN_ARGS, PlainSpec, plain_kernel_source
 from .split_kv import merge_source
 
@@ -111,6 +112,13 @@ def plain_signature(spec):
     return arg_types(PLAIN_ARGS, elem, elem, "C")
 
 
+def plain_bwd_signature(spec):
+    """Argument types of a plain backward kernel (plain_bwd.py), C-contiguous arrays."""
+    elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
+    args = {"delta": DELTA_ARGS, "dkdv": DKDV_ARGS, "dq": DQ_ARGS}[spec.part]
+    return arg_types(args, elem, elem, "C")
+
+
 def merge_signature(dtype):
     out4 = _NUMBA_TYPES[CONVERTERS[dtype][2]][:, :, :, :]
     return (float32[:, :, :, :], float32[:, :, :], out4, float32[:, :, :], int64)
@@ -155,6 +163,9 @@ def compile_ptx(spec, cc=(9, 0), layout="A"):
     elif isinstance(spec, PlainSpec):
         fn = plain_kernel_source(spec.width, spec.width, spec.dtype, spec.has_mask)
         sig = plain_signature(spec)
+    elif isinstance(spec, PlainBwdSpec):
+        fn = bwd_kernel_source(spec.part, spec.width, spec.width, spec.dtype, spec.has_mask)
+        sig = plain_bwd_signature(spec)
     else:
         fn, sig = kernel_source(spec), signature(spec, layout)
     return cuda.compile_ptx(fn, sig, cc=cc, fastmath=FASTMATH)[0]

@@ -12,7 +12,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX would take 75% of the GPU's me
 STEPS=${STEPS:-ab check verify broken findings scale}
 IMPLS=${IMPLS:-numba torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
 SCALE_IMPLS=${SCALE_IMPLS:-numba torch-efficient}
-BACKWARD_IMPLS=${BACKWARD_IMPLS:-torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
+BACKWARD_IMPLS=${BACKWARD_IMPLS:-numba torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
 step() { [[ " $STEPS " == *" $1 "* ]]; }
 summary() {  # the failure map and the verdict line of a verify log
   grep -E "^(failure map|  |fully masked|VERIFY BUG|.* passed, .* failed)" "$1" | head -8

@@ -175,13 +175,18 @@ def _reference():
 
 def _numba(plain=False):
     """Our tuned kernel, or (plain) the plain one of numba_kernels/plain_fwd.py."""
-    from numba_kernels import compile_times, flash_attention, plain_attention
+    from numba_kernels import (compile_times, flash_attention, flash_attention_backward,
+                               plain_attention)
     from numba_kernels.convert import SIMULATOR
 
     attention = plain_attention if plain else flash_attention
 
     def fn(q, k, v, **options):
         return attention(q, k, v, **options)
+
+    def grad(q, k, v, dout, **options):  # the plain backward kernels (plain_bwd.py)
+        out, lse = attention(q, k, v, return_lse=True, **options)
+        return flash_attention_backward(q, k, v, out, lse, dout, **options)
 
     def costs():
         times = compile_times()
@@ -195,12 +200,12 @@ def _numba(plain=False):
     # head) alone may be split where the batch is not: equal within the bound, not bitwise.
     # The plain kernel never splits.
     return Implementation("numba-plain" if plain else "numba", fn,
-                          Supports(batch_invariant=plain or not on_gpu),
+                          Supports(batch_invariant=plain or not on_gpu, backward=True),
                           array="torch" if on_gpu else "numpy",
                           device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
                           + ("" if on_gpu else " (CUDA simulator)"), costs=costs,
-                          differentiable=False)
+                          grad=grad, differentiable=False)
 
 
 BOTH = ("top_left", "bottom_right")

@@ -1,0 +1,77 @@
+"""flash_attention_backward: the contract's gradients from the plain backward kernels
+(plain_bwd.py), with flash_attention's arguments, checks and array handling."""
+import numpy as np
+
+from reference.contract import _shape4
+from reference.dtypes import dtype_name
+from .api import _band, _begin, _side_inputs
+from .flash_fwd import kernel_args
+from .launch import launch
+from .plain_bwd import (DELTA_ARGS, DELTA_THREADS, DKDV_ARGS, DQ_ARGS, plain_bwd_kernel)
+from .plain_fwd import plain_tiles
+from .specs import pad
+
+
+def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=False, mask=None,
+                             bias=None, kv_lengths=None, window=None):
+    """(dq, dk, dv): the gradients of the output for incoming gradient dout, per
+    docs/contract.md ("Gradients"), in q's dtype and array type.
+
+    q, k, v and the options as for flash_attention, with the same values; out and lse are
+    what flash_attention(..., return_lse=True) returned for them; dout (B, Hq, Nq, Dv) in q's
+    dtype. dk and dv of a key head are summed over its group's query heads. Deterministic:
+    two calls give bitwise equal gradients (no atomic adds). Arithmetic is float32.
+    """
+    pb, io, _, _ = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
+    _check_saved(pb, out, lse, dout)
+    dq = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.d), pb.dtype)
+    dk = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.d), pb.dtype)
+    dv = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.dv), pb.dtype)
+    if pb.batch * pb.heads_k * pb.n_k == 0 and pb.batch * pb.heads_q * pb.n_q == 0:
+        return io.result(dq), io.result(dk), io.result(dv)
+    width = pad(max(pb.d, pb.dv))
+    has_mask = mask is not None or bias is not None
+    mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
+    named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, bias=bias_dev,
+                 kv_lengths=lengths, dout=io.dev(dout), lse_in=io.dev(lse),
+                 delta=io.empty((pb.batch, pb.heads_q, pb.n_q), "float32"), n_q=pb.n_q,
+                 group=pb.group, scale=np.float32(pb.scale), **_band(pb), **steps)
+    named["delta"] = io.dev(named["delta"])
+    bh_q, bh_k = pb.batch * pb.heads_q, pb.batch * pb.heads_k
+    if bh_q * pb.n_q:
+        launch(plain_bwd_kernel("delta", width, width, pb.dtype, False), ("delta", pb.dtype),
+               (-(-pb.n_q // DELTA_THREADS), bh_q), DELTA_THREADS, io.stream,
+               *_ordered(DELTA_ARGS, dict(named, out=io.dev(out))))
+    rows, keys = plain_tiles(width)  # dq: rows a block; dk, dv: keys a block
+    key = (width, pb.dtype, has_mask)
+    if bh_k * pb.n_k:
+        launch(plain_bwd_kernel("dkdv", width, width, pb.dtype, has_mask), ("dkdv",) + key,
+               (-(-pb.n_k // rows), bh_k), rows, io.stream,
+               *_ordered(DKDV_ARGS, dict(named, dk=io.dev(dk), dv=io.dev(dv))))
+    if bh_q * pb.n_q:
+        launch(plain_bwd_kernel("dq", width, width, pb.dtype, has_mask), ("dq",) + key,
+               (-(-pb.n_q // rows), bh_q), rows, io.stream,
+               *_ordered(DQ_ARGS, dict(named, dq=io.dev(dq))))
+    return io.result(dq), io.result(dk), io.result(dv)
+
+
+def _ordered(args, named):
+    """The launch arguments of a kernel with descriptions `args`, from the named values."""
+    names = tuple(a[0] for a in args)
+    return kernel_args(names, **{n: named[n] for n in names})
+
+
+def _check_saved(pb, out, lse, dout):
+    """out, lse and dout as flash_attention returned and takes them, or a clear error."""
+    want = {"out": (pb.batch, pb.heads_q, pb.n_q, pb.dv),
+            "dout": (pb.batch, pb.heads_q, pb.n_q, pb.dv)}
+    for name, x in (("out", out), ("dout", dout)):
+        got = _shape4(name, x, "(B, Hq, Nq, Dv)")
+        if got != want[name]:
+            raise ValueError(f"{name} must have shape (B, Hq, Nq, Dv)={want[name]}, got {got}")
+        if dtype_name(x) != pb.dtype:
+            raise TypeError(f"{name} must have q's dtype {pb.dtype}, got {dtype_name(x)}")
+    shape = tuple(getattr(lse, "shape", ()))
+    if shape != want["out"][:3] or dtype_name(lse) != "float32":
+        raise ValueError(f"lse must be the forward's float32 (B, Hq, Nq)={want['out'][:3]}, "
+                         f"got shape {shape} dtype {dtype_name(lse) if shape else None}")

@@ -1,0 +1,258 @@
+"""The plain FlashAttention-2 backward kernels: reference/tiled_backward.py written to be read,
+one CUDA thread per key (dK, dV) or per query row (dQ).
+
+Three kernels, launched in this order by numba_kernels.flash_attention_backward:
+
+    delta_kernel  delta_i = rowsum(dO_i * O_i)                          one thread per row
+    dkdv_kernel   one block per key tile of a (batch, key head), one thread per key j: it
+                  keeps k_j, v_j and its accumulators dk_j, dv_j in its own (local) arrays
+                  and walks every query tile of the group's query heads, which the block
+                  loads into shared memory together
+    dq_kernel     one block per query tile of a (batch, query head), one thread per row i:
+                  it keeps q_i, dO_i and dq_i, and walks the key tiles (shared), as the
+                  forward kernel (plain_fwd.py) does
+
+Both recompute the score and P = exp2(s - lse * log2(e)) from the forward's saved lse, and
+
+    dP = dO_i . v_j        dS = P * (dP - delta_i)
+    dV_j += P * dO_i       dK_j += dS * q_i * scale       dQ_i += dS * k_j * scale
+
+dQ has a kernel of its own, so every sum runs in one thread in a fixed order: two runs are
+bitwise equal (no atomic adds). A (row, key) pair the row does not see is skipped, so hidden
+values, and the dO of rows that see no key, reach nothing (docs/contract.md, Gradients).
+Every tile costs two barriers, as in the forward. Arithmetic is float32.
+"""
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from numba import cuda, float32
+
+from .convert import CONVERTERS, SIMULATOR, device_function
+from .flash_fwd import ARGS, FASTMATH, LOG2E, check_parameters, key_range_device
+from .plain_fwd import plain_tiles
+
+_OWN = {  # the backward's arguments beyond the forward's ARGS: (kind, meaning)
+    "out": ("input", "(B, Hq, Nq, Dv) the forward's output"),
+    "dout": ("input", "(B, Hq, Nq, Dv) the gradient of the output"),
+    "lse_in": ("lse", "(B, Hq, Nq) float32 the forward's lse (natural log)"),
+    "delta": ("lse", "(B, Hq, Nq) float32 rowsum(dout * out)"),
+    "dq": ("output", "(B, Hq, Nq, D) the gradient of q"),
+    "dk": ("output", "(B, Hk, Nk, D) the gradient of k, summed over the group's heads"),
+    "dv": ("output", "(B, Hk, Nk, Dv) the gradient of v, likewise"),
+    "scale": ("float", "the contract's scale (dS carries it into dq and dk)"),
+}
+_FORWARD = {name: (kind, meaning) for name, kind, meaning in ARGS}
+
+
+def _args(*names):
+    """Argument descriptions (name, kind, meaning), the forward's where the name is shared."""
+    return tuple((n,) + (_OWN[n] if n in _OWN else _FORWARD[n]) for n in names)
+
+
+DELTA_ARGS = _args("out", "dout", "delta", "n_q")
+_SIDES = ("mask", "bias", "kv_lengths", "dout", "lse_in", "delta")
+_BAND = ("n_q", "group", "qk_scale", "scale", "left", "right", "bottom_right", "mask_steps",
+         "bias_steps")
+DKDV_ARGS = _args("q", "k", "v", *_SIDES, "dk", "dv", *_BAND)
+DQ_ARGS = _args("q", "k", "v", *_SIDES, "dq", *_BAND)
+NEG_INF, ZERO = float32(-math.inf), float32(0.0)
+F_LOG2E = float32(LOG2E)
+DELTA_THREADS = 128
+
+
+@dataclass(frozen=True)
+class PlainBwdSpec:
+    """One compiled variant of a plain backward kernel (for the PTX report)."""
+
+    part: str  # "delta", "dkdv" or "dq"
+    width: int  # head dims padded to this
+    dtype: str
+    has_mask: bool
+
+
+def plain_bwd_specs():
+    return [PlainBwdSpec(part, w, dtype, m) for part in ("delta", "dkdv", "dq")
+            for w in (64, 128, 256) for dtype in ("float32", "float16", "bfloat16")
+            for m in ((False,) if part == "delta" else (False, True))]
+
+
+@lru_cache(maxsize=64)
+def plain_bwd_kernel(part, D, DV, dtype, has_mask):
+    """The compiled kernel `part` ("delta", "dkdv", "dq") for head dims padded to D, DV."""
+    fn = bwd_kernel_source(part, D, DV, dtype, has_mask)
+    return cuda.jit(fn) if SIMULATOR else cuda.jit(fastmath=FASTMATH)(fn)
+
+
+def bwd_kernel_source(part, D, DV, dtype, has_mask):
+    if part == "delta":
+        return delta_kernel_source(dtype)
+    maker = dkdv_kernel_source if part == "dkdv" else dq_kernel_source
+    return maker(D, DV, dtype, make_score(has_mask))
+
+
+def delta_kernel_source(dtype):
+    load = CONVERTERS[dtype][0]
+
+    def delta_kernel(out, dout, delta, n_q):
+        heads_q = out.shape[1]
+        b, h = cuda.blockIdx.y // heads_q, cuda.blockIdx.y % heads_q
+        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if i < n_q:
+            acc = ZERO
+            for c in range(out.shape[3]):
+                acc += load(out[b, h, i, c]) * load(dout[b, h, i, c])
+            delta[b, h, i] = acc
+
+    return check_parameters(delta_kernel, tuple(a[0] for a in DELTA_ARGS))
+
+
+def make_score(has_mask):
+    @device_function(fastmath=FASTMATH)
+    def score(dot, mask, bias, mask_steps, bias_steps, b, h, i, j, n_q, kv_len, left, right,
+              bottom_right, qk_scale):
+        """The scaled score (log2 units) of row i and key j, or -inf where the row does not
+        see the key (the contract: key_range, the mask, bias != -inf)."""
+        lo, hi = key_range_device(i, n_q, kv_len, left, right, bottom_right)
+        if not (i < n_q and j < kv_len and lo <= j and j < hi):
+            return NEG_INF
+        s = dot * qk_scale
+        if has_mask:  # the steps are 0 where mask or bias broadcasts
+            ms, bs = mask_steps, bias_steps
+            add = bias[b * bs[0], h * bs[1], i * bs[2], j * bs[3]]
+            if mask[b * ms[0], h * ms[1], i * ms[2], j * ms[3]] == 0 or add == NEG_INF:
+                return NEG_INF
+            s += add * F_LOG2E
+        return s
+
+    return score
+
+
+def dkdv_kernel_source(D, DV, dtype, score):
+    BLOCK_N, BLOCK_M = plain_tiles(max(D, DV))  # keys (threads) a block, rows a tile
+    Q_W, DO_W = D + 1, DV + 1  # shared-array shapes must be closure ints
+    load, store, _ = CONVERTERS[dtype]
+
+    def dkdv_kernel(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, dk, dv, n_q, group,
+                    qk_scale, scale, left, right, bottom_right, mask_steps, bias_steps):
+        Q_tile = cuda.shared.array((BLOCK_M, Q_W), float32)
+        dO_tile = cuda.shared.array((BLOCK_M, DO_W), float32)
+        lse_tile = cuda.shared.array(BLOCK_M, float32)  # log2 units
+        delta_tile = cuda.shared.array(BLOCK_M, float32)
+        k_j, dk_j = cuda.local.array(D, float32), cuda.local.array(D, float32)
+        v_j, dv_j = cuda.local.array(DV, float32), cuda.local.array(DV, float32)
+
+        t = cuda.threadIdx.x
+        heads_k = k.shape[1]
+        b, hk = cuda.blockIdx.y // heads_k, cuda.blockIdx.y % heads_k
+        j = cuda.blockIdx.x * BLOCK_N + t  # this thread's key
+        d, dv_len, kv_len = q.shape[3], v.shape[3], kv_lengths[b]
+        key_ok = j < kv_len
+        for c in range(D):
+            k_j[c] = load(k[b, hk, j, c]) if key_ok and c < d else ZERO
+            dk_j[c] = ZERO
+        for c in range(DV):
+            v_j[c] = load(v[b, hk, j, c]) if key_ok and c < dv_len else ZERO
+            dv_j[c] = ZERO
+
+        for h in range(hk * group, (hk + 1) * group):  # the query heads that read key head hk
+            for start_m in range(0, n_q, BLOCK_M):
+                cuda.syncthreads()  # Barrier: every read of the previous tiles is done.
+                for idx in range(t, BLOCK_M * D, BLOCK_N):  # Q tile, zeros past n_q and d
+                    r, c = idx // D, idx % D
+                    ok = start_m + r < n_q and c < d
+                    Q_tile[r, c] = load(q[b, h, start_m + r, c]) if ok else ZERO
+                for idx in range(t, BLOCK_M * DV, BLOCK_N):
+                    r, c = idx // DV, idx % DV
+                    ok = start_m + r < n_q and c < dv_len
+                    dO_tile[r, c] = load(dout[b, h, start_m + r, c]) if ok else ZERO
+                for r in range(t, BLOCK_M, BLOCK_N):
+                    ok = start_m + r < n_q
+                    lse_tile[r] = lse_in[b, h, start_m + r] * F_LOG2E if ok else NEG_INF
+                    delta_tile[r] = delta[b, h, start_m + r] if ok else ZERO
+                cuda.syncthreads()  # Barrier: the tiles are complete.
+
+                for r in range(BLOCK_M):
+                    dot = ZERO
+                    for c in range(D):
+                        dot += Q_tile[r, c] * k_j[c]
+                    s = score(dot, mask, bias, mask_steps, bias_steps, b, h, start_m + r, j,
+                              n_q, kv_len, left, right, bottom_right, qk_scale)
+                    if s != NEG_INF:  # a pair the row does not see adds nothing
+                        p = math.exp2(s - lse_tile[r])  # P from the saved lse
+                        dp = ZERO
+                        for c in range(DV):
+                            dv_j[c] += p * dO_tile[r, c]
+                            dp += dO_tile[r, c] * v_j[c]
+                        ds = p * (dp - delta_tile[r])
+                        for c in range(D):
+                            dk_j[c] += ds * Q_tile[r, c]
+
+        if j < k.shape[2]:  # every key gets its gradient: 0 for keys no row sees
+            for c in range(d):
+                dk[b, hk, j, c] = store(dk_j[c] * scale)
+            for c in range(dv_len):
+                dv[b, hk, j, c] = store(dv_j[c])
+
+    return check_parameters(dkdv_kernel, tuple(a[0] for a in DKDV_ARGS))
+
+
+def dq_kernel_source(D, DV, dtype, score):
+    BLOCK_M, BLOCK_N = plain_tiles(max(D, DV))  # rows (threads) a block, keys a tile
+    K_W, V_W = D + 1, DV + 1
+    load, store, _ = CONVERTERS[dtype]
+
+    def dq_kernel(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, dq, n_q, group,
+                  qk_scale, scale, left, right, bottom_right, mask_steps, bias_steps):
+        K_tile = cuda.shared.array((BLOCK_N, K_W), float32)
+        V_tile = cuda.shared.array((BLOCK_N, V_W), float32)
+        q_i, dq_i = cuda.local.array(D, float32), cuda.local.array(D, float32)
+        do_i = cuda.local.array(DV, float32)
+
+        t = cuda.threadIdx.x
+        heads_q = q.shape[1]
+        b, h = cuda.blockIdx.y // heads_q, cuda.blockIdx.y % heads_q
+        hk = h // group
+        i = cuda.blockIdx.x * BLOCK_M + t  # this thread's query row
+        d, dv_len, kv_len = q.shape[3], v.shape[3], kv_lengths[b]
+        row_ok = i < n_q
+        for c in range(D):
+            q_i[c] = load(q[b, h, i, c]) if row_ok and c < d else ZERO
+            dq_i[c] = ZERO
+        for c in range(DV):
+            do_i[c] = load(dout[b, h, i, c]) if row_ok and c < dv_len else ZERO
+        lse_i = lse_in[b, h, i] * F_LOG2E if row_ok else NEG_INF
+        delta_i = delta[b, h, i] if row_ok else ZERO
+
+        for start_n in range(0, kv_len, BLOCK_N):
+            cuda.syncthreads()  # Barrier: every read of the previous K and V tiles is done.
+            for idx in range(t, BLOCK_N * D, BLOCK_M):  # K tile, zeros past kv_len and d
+                r, c = idx // D, idx % D
+                ok = start_n + r < kv_len and c < d
+                K_tile[r, c] = load(k[b, hk, start_n + r, c]) if ok else ZERO
+            for idx in range(t, BLOCK_N * DV, BLOCK_M):
+                r, c = idx // DV, idx % DV
+                ok = start_n + r < kv_len and c < dv_len
+                V_tile[r, c] = load(v[b, hk, start_n + r, c]) if ok else ZERO
+            cuda.syncthreads()  # Barrier: both tiles are complete.
+
+            for jj in range(BLOCK_N):
+                dot = ZERO
+                for c in range(D):
+                    dot += q_i[c] * K_tile[jj, c]
+                s = score(dot, mask, bias, mask_steps, bias_steps, b, h, i, start_n + jj,
+                          n_q, kv_len, left, right, bottom_right, qk_scale)
+                if s != NEG_INF:
+                    p = math.exp2(s - lse_i)
+                    dp = ZERO
+                    for c in range(DV):
+                        dp += do_i[c] * V_tile[jj, c]
+                    ds = p * (dp - delta_i)
+                    for c in range(D):
+                        dq_i[c] += ds * K_tile[jj, c]
+
+        if row_ok:
+            for c in range(d):
+                dq[b, h, i, c] = store(dq_i[c] * scale)
+
+    return check_parameters(dq_kernel, tuple(a[0] for a in DQ_ARGS))

@@ -1,0 +1,57 @@
+"""The Numba backward kernels (numba_kernels/plain_bwd.py) certified by verify's backward cases
+in the CUDA simulator: tile-edge cases, and the cases where backward kernels break. The
+simulator runs a Python thread per CUDA thread, so these are chosen to take about 100 s of
+CPU; scripts/gpu_verify.sh runs the whole backward suite on a GPU."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import verify
+from numba_kernels import flash_attention, flash_attention_backward
+from verify.backward import backward_battery
+from verify.cases import Case, edge_cases
+
+EDGES = ("tails", "causal bottom_right 45x31", "GQA, Dv != D", "MQA, head dim 1",
+         "kv_lengths 0, 1, Nk", "mask with empty rows", "head dim 40", "head dim 96")
+HARD = ("backward: N = 5", "backward: dout strided", "NaN past kv_lengths",
+        "bias + mask + kv_lengths", "k:nan in keys some rows see", "scale -0.25 + causal")
+
+
+@pytest.mark.parametrize("which", ["edges", "hard"])
+def test_backward_kernels_pass_verify(which):
+    if which == "edges":
+        cases = [replace(c, backward=True) for c in edge_cases()
+                 if c.name.startswith(tuple(f"edge: {e}" for e in EDGES))]
+        assert len(cases) == len(EDGES)
+    else:
+        cases = [c for c in backward_battery("quick", ("float32",))
+                 if c.name.startswith(HARD)]
+        assert len(cases) >= len(HARD)
+        cases.append(Case("GQA 2:1 with a mask, twice", B=1, Hq=4, Hk=2, Nq=17, Nk=20, D=16,
+                          Dv=16, dtype="float32", mask="random", repeat=True, backward=True))
+    report = verify.compare("numba", backward=True, cases=list(zip(cases, range(len(cases)))),
+                            progress=False)
+    assert report.passed, str(report)
+    assert all(r.verdict == "pass" for r in report.cases), str(report)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_backward_kernels_low_precision(dtype):
+    cases = [c for c in backward_battery("quick", (dtype,))
+             if c.name.startswith("mask random")]
+    report = verify.compare("numba", backward=True, cases=list(zip(cases, range(9))),
+                            progress=False)
+    assert report.passed and len(report.cases) == 1, str(report)
+
+
+def test_backward_argument_errors():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 5, 8)).astype(np.float32) for _ in range(3))
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match=r"lse must be the forward's float32 \(B, Hq, Nq\)"):
+        flash_attention_backward(q, k, v, out, lse[..., :3], out)
+    with pytest.raises(TypeError, match="dout must have q's dtype float32, got float64"):
+        flash_attention_backward(q, k, v, out, lse, out.astype(np.float64))
+    with pytest.raises(ValueError, match=r"out must have shape \(B, Hq, Nq, Dv\)"):
+        flash_attention_backward(q, k, v, out[:, :1], lse, out)
