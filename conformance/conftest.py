@@ -70,13 +70,12 @@ def impl(pytestconfig):
 
 @pytest.fixture(scope="session")
 def grad_impl(pytestconfig, impl):
-    """The implementation with its gradients, for the gradient properties: with --backward,
-    or when it declares gradients (Implementation.grad); skipped otherwise."""
+    """The implementation with its gradients (its own, or through autograd or jax.vjp), for
+    the gradient properties, which run with --backward."""
     from verify.backward import for_backward
 
-    if not (pytestconfig.getoption("--backward") or impl.grad is not None):
-        pytest.skip(f"{impl.name}: gradients not under test (--backward, or declare "
-                    "Implementation.grad)")
+    if not pytestconfig.getoption("--backward"):
+        pytest.skip(f"{impl.name}: gradients are tested with --backward")
     try:
         return for_backward(impl)
     except ValueError as e:

@@ -19,9 +19,9 @@ def pytest_addoption(parser):
     group.addoption("--max-examples", type=int, default=None,
                     help="examples per property, overriding the profile's")
     group.addoption("--backward", action="store_true",
-                    help="also test the gradients (dq, dk, dv): through autograd or jax.vjp "
-                         "for torch and JAX implementations; on by default for "
-                         "implementations that declare gradients (Implementation.grad)")
+                    help="also test the gradients (dq, dk, dv): the implementation's own "
+                         "(Implementation.grad), or through autograd or jax.vjp for torch "
+                         "and JAX implementations")
     group.addoption("--no-shrink", action="store_true",
                     help="report the first failing example as drawn, without shrinking it "
                          "(for surveys of kernels that fail often: shrinking large inputs "

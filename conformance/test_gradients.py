@@ -1,6 +1,5 @@
 """Gradients (dq, dk, dv; verify.backward): error bounds, rows that see no key and hidden keys,
-NaN containment, grouped-query reductions, determinism. Run with --backward, or for an
-implementation that declares gradients."""
+NaN containment, grouped-query reductions, determinism. Run with --backward."""
 from dataclasses import replace
 
 import pytest

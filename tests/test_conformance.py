@@ -55,18 +55,20 @@ def test_runs_from_another_directory(tmp_path):
 
 
 def test_the_gradient_properties_catch_a_broken_backward():
-    """An implementation that declares gradients gets the gradient properties without
-    --backward; a dK that misses the scale breaks them, its correct twin passes."""
-    def run(impl):
+    """With --backward, a dK that misses the scale breaks the gradient properties; its
+    correct twin passes them; without it they are skipped."""
+    def run(impl, *extra):
         cmd = [sys.executable, "-m", "pytest", "conformance/test_gradients.py", "-p",
                "no:cacheprovider", "--tb=no", "-W", "ignore", "-k", "error_within or gqa",
-               "--impl", impl, "--max-examples", "3", "--no-shrink"]
+               "--impl", impl, "--max-examples", "3", "--no-shrink", *extra]
         return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
                               capture_output=True, text=True, timeout=600)
 
-    broken = run("tests.broken_backward:DK_NOT_SCALED")
+    skipped = run("tests.broken_backward:DK_NOT_SCALED")
+    assert skipped.returncode == 0 and "2 skipped" in skipped.stdout, skipped.stdout
+    broken = run("tests.broken_backward:DK_NOT_SCALED", "--backward")
     assert broken.returncode == 1, broken.stdout + broken.stderr
     assert "property 'gradient GQA' broken for broken backward [dk-not-scaled]: " \
            "dk: mismatched" in broken.stdout, broken.stdout
-    correct = run("tests.broken_backward:CORRECT")
+    correct = run("tests.broken_backward:CORRECT", "--backward")
     assert correct.returncode == 0 and "2 passed" in correct.stdout, correct.stdout
