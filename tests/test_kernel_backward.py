@@ -1,7 +1,7 @@
 """The Numba backward kernels (numba_kernels/plain_bwd.py) certified by verify's backward cases
 in the CUDA simulator: tile-edge cases, and the cases where backward kernels break. The
-simulator runs a Python thread per CUDA thread, so these are chosen to take about 100 s of
-CPU; scripts/gpu_verify.sh runs the whole backward suite on a GPU."""
+simulator runs a Python thread per CUDA thread, so these are chosen to take about a minute
+of CPU; scripts/gpu_verify.sh runs the whole backward suite on a GPU."""
 from dataclasses import replace
 
 import numpy as np
@@ -12,10 +12,10 @@ from numba_kernels import flash_attention, flash_attention_backward
 from verify.backward import backward_battery
 from verify.cases import Case, edge_cases
 
-EDGES = ("tails", "causal bottom_right 45x31", "GQA, Dv != D", "MQA, head dim 1",
-         "kv_lengths 0, 1, Nk", "mask with empty rows", "head dim 40", "head dim 96")
-HARD = ("backward: N = 5", "backward: dout strided", "NaN past kv_lengths",
-        "bias + mask + kv_lengths", "k:nan in keys some rows see", "scale -0.25 + causal")
+EDGES = ("causal bottom_right 45x31", "GQA, Dv != D", "MQA, head dim 1", "kv_lengths 0, 1, Nk",
+         "mask with empty rows", "head dim 40")
+HARD = ("backward: N = 5", "backward: dout strided", "bias + mask + kv_lengths",
+        "k:nan in keys some rows see")
 
 
 @pytest.mark.parametrize("which", ["edges", "hard"])
@@ -36,7 +36,7 @@ def test_backward_kernels_pass_verify(which):
     assert all(r.verdict == "pass" for r in report.cases), str(report)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["bfloat16"])
 def test_backward_kernels_low_precision(dtype):
     cases = [c for c in backward_battery("quick", (dtype,))
              if c.name.startswith("mask random")]
