@@ -8,10 +8,13 @@ use_simulator_if_no_gpu()
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The gate's test goes last, so that every other test runs while it compiles."""
+    """The long simulator tests go first, so that under pytest-xdist each worker takes one
+    early and the short tests fill in around them (last, one would run alone at the end);
+    the gate's test goes last, so that every other test runs while it compiles."""
     from tests import test_ptx
 
-    items.sort(key=lambda item: item.name == test_ptx.GATE_TEST)  # stable: the rest keep order
+    items.sort(key=lambda item: (item.name == test_ptx.GATE_TEST,  # stable: the rest keep
+                                 item.get_closest_marker("long") is None))  # their order
 
 
 def pytest_collection_finish(session):

@@ -18,6 +18,7 @@ HARD = ("backward: N = 5", "backward: dout strided", "bias + mask + kv_lengths",
         "k:nan in keys some rows see")
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("which", ["edges", "hard"])
 def test_backward_kernels_pass_verify(which):
     if which == "edges":

@@ -46,6 +46,7 @@ def test_torch_math_cpu_passes():
         "NaN past kv_lengths"}
 
 
+@pytest.mark.long
 def test_numba_kernel_in_simulator_passes():
     # float32 only: in the simulator each more dtype costs about 45 s of CI. The half-precision
     # variants are checked by tests/test_kernel.py and `pytest conformance` here, and by
@@ -55,6 +56,7 @@ def test_numba_kernel_in_simulator_passes():
     assert len(report.cases) > 20 and all(r.case.dtype == "float32" for r in report.cases)
 
 
+@pytest.mark.long
 def test_plain_numba_kernel_in_simulator_passes():
     """The kernel to read (numba_kernels/plain_fwd.py) is certified like the tuned one."""
     report = verify.compare("numba-plain", suite="quick", dtypes=("float32",), progress=False)
