@@ -28,9 +28,11 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
-from .convert import CONVERTERS, SIMULATOR, device_function
-from .flash_fwd import ARGS, FASTMATH, LOG2E, check_parameters, key_range_device
-from .plain_fwd import plain_tiles
+from .compile_cache import jit
+from .convert import CONVERTERS
+from .flash_fwd import ARGS, FASTMATH, check_parameters
+from .plain_fwd import (F_LOG2E, NEG_INF, ZERO, make_load_row, make_load_tile, make_score,
+                        plain_tiles)
 
 _OWN = {  # the backward's arguments beyond the forward's ARGS: (kind, meaning)
     "out": ("input", "(B, Hq, Nq, Dv) the forward's output"),
@@ -56,8 +58,6 @@ _BAND = ("n_q", "group", "qk_scale", "scale", "left", "right", "bottom_right", "
          "bias_steps")
 DKDV_ARGS = _args("q", "k", "v", *_SIDES, "dk", "dv", *_BAND)
 DQ_ARGS = _args("q", "k", "v", *_SIDES, "dq", *_BAND)
-NEG_INF, ZERO = float32(-math.inf), float32(0.0)
-F_LOG2E = float32(LOG2E)
 DELTA_THREADS = 128
 
 
@@ -81,7 +81,7 @@ def plain_bwd_specs():
 def plain_bwd_kernel(part, D, DV, dtype, has_mask):
     """The compiled kernel `part` ("delta", "dkdv", "dq") for head dims padded to D, DV."""
     fn = bwd_kernel_source(part, D, DV, dtype, has_mask)
-    return cuda.jit(fn) if SIMULATOR else cuda.jit(fastmath=FASTMATH)(fn)
+    return jit(fn, ("plain_bwd", part, D, DV, dtype, has_mask), FASTMATH)
 
 
 def bwd_kernel_source(part, D, DV, dtype, has_mask):
@@ -107,31 +107,13 @@ def delta_kernel_source(dtype):
     return check_parameters(delta_kernel, tuple(a[0] for a in DELTA_ARGS))
 
 
-def make_score(has_mask):
-    @device_function(fastmath=FASTMATH)
-    def score(dot, mask, bias, mask_steps, bias_steps, b, h, i, j, n_q, kv_len, left, right,
-              bottom_right, qk_scale):
-        """The scaled score (log2 units) of row i and key j, or -inf where the row does not
-        see the key (the contract: key_range, the mask, bias != -inf)."""
-        lo, hi = key_range_device(i, n_q, kv_len, left, right, bottom_right)
-        if not (i < n_q and j < kv_len and lo <= j and j < hi):
-            return NEG_INF
-        s = dot * qk_scale
-        if has_mask:  # the steps are 0 where mask or bias broadcasts
-            ms, bs = mask_steps, bias_steps
-            add = bias[b * bs[0], h * bs[1], i * bs[2], j * bs[3]]
-            if mask[b * ms[0], h * ms[1], i * ms[2], j * ms[3]] == 0 or add == NEG_INF:
-                return NEG_INF
-            s += add * F_LOG2E
-        return s
-
-    return score
-
-
 def dkdv_kernel_source(D, DV, dtype, score):
     BLOCK_N, BLOCK_M = plain_tiles(max(D, DV))  # keys (threads) a block, rows a tile
     Q_W, DO_W = D + 1, DV + 1  # shared-array shapes must be closure ints
-    load, store, _ = CONVERTERS[dtype]
+    store = CONVERTERS[dtype][1]
+    load_k_row, load_v_row = make_load_row(dtype, D), make_load_row(dtype, DV)
+    load_q_tile, load_do_tile = make_load_tile(dtype, BLOCK_M, D), make_load_tile(dtype,
+                                                                                  BLOCK_M, DV)
 
     def dkdv_kernel(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, dk, dv, n_q, group,
                     qk_scale, scale, left, right, bottom_right, mask_steps, bias_steps):
@@ -147,25 +129,18 @@ def dkdv_kernel_source(D, DV, dtype, score):
         b, hk = cuda.blockIdx.y // heads_k, cuda.blockIdx.y % heads_k
         j = cuda.blockIdx.x * BLOCK_N + t  # this thread's key
         d, dv_len, kv_len = q.shape[3], v.shape[3], kv_lengths[b]
-        key_ok = j < kv_len
+        load_k_row(k_j, k, b, hk, j, j < kv_len, d)
+        load_v_row(v_j, v, b, hk, j, j < kv_len, dv_len)
         for c in range(D):
-            k_j[c] = load(k[b, hk, j, c]) if key_ok and c < d else ZERO
             dk_j[c] = ZERO
         for c in range(DV):
-            v_j[c] = load(v[b, hk, j, c]) if key_ok and c < dv_len else ZERO
             dv_j[c] = ZERO
 
         for h in range(hk * group, (hk + 1) * group):  # the query heads that read key head hk
             for start_m in range(0, n_q, BLOCK_M):
                 cuda.syncthreads()  # Barrier: every read of the previous tiles is done.
-                for idx in range(t, BLOCK_M * D, BLOCK_N):  # Q tile, zeros past n_q and d
-                    r, c = idx // D, idx % D
-                    ok = start_m + r < n_q and c < d
-                    Q_tile[r, c] = load(q[b, h, start_m + r, c]) if ok else ZERO
-                for idx in range(t, BLOCK_M * DV, BLOCK_N):
-                    r, c = idx // DV, idx % DV
-                    ok = start_m + r < n_q and c < dv_len
-                    dO_tile[r, c] = load(dout[b, h, start_m + r, c]) if ok else ZERO
+                load_q_tile(Q_tile, q, b, h, start_m, n_q, d, t, BLOCK_N)  # zeros past the end
+                load_do_tile(dO_tile, dout, b, h, start_m, n_q, dv_len, t, BLOCK_N)
                 for r in range(t, BLOCK_M, BLOCK_N):
                     ok = start_m + r < n_q
                     lse_tile[r] = lse_in[b, h, start_m + r] * F_LOG2E if ok else NEG_INF
@@ -200,7 +175,10 @@ def dkdv_kernel_source(D, DV, dtype, score):
 def dq_kernel_source(D, DV, dtype, score):
     BLOCK_M, BLOCK_N = plain_tiles(max(D, DV))  # rows (threads) a block, keys a tile
     K_W, V_W = D + 1, DV + 1
-    load, store, _ = CONVERTERS[dtype]
+    store = CONVERTERS[dtype][1]
+    load_q_row, load_do_row = make_load_row(dtype, D), make_load_row(dtype, DV)
+    load_k_tile, load_v_tile = make_load_tile(dtype, BLOCK_N, D), make_load_tile(dtype,
+                                                                                 BLOCK_N, DV)
 
     def dq_kernel(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, dq, n_q, group,
                   qk_scale, scale, left, right, bottom_right, mask_steps, bias_steps):
@@ -216,24 +194,17 @@ def dq_kernel_source(D, DV, dtype, score):
         i = cuda.blockIdx.x * BLOCK_M + t  # this thread's query row
         d, dv_len, kv_len = q.shape[3], v.shape[3], kv_lengths[b]
         row_ok = i < n_q
+        load_q_row(q_i, q, b, h, i, row_ok, d)
+        load_do_row(do_i, dout, b, h, i, row_ok, dv_len)
         for c in range(D):
-            q_i[c] = load(q[b, h, i, c]) if row_ok and c < d else ZERO
             dq_i[c] = ZERO
-        for c in range(DV):
-            do_i[c] = load(dout[b, h, i, c]) if row_ok and c < dv_len else ZERO
         lse_i = lse_in[b, h, i] * F_LOG2E if row_ok else NEG_INF
         delta_i = delta[b, h, i] if row_ok else ZERO
 
         for start_n in range(0, kv_len, BLOCK_N):
             cuda.syncthreads()  # Barrier: every read of the previous K and V tiles is done.
-            for idx in range(t, BLOCK_N * D, BLOCK_M):  # K tile, zeros past kv_len and d
-                r, c = idx // D, idx % D
-                ok = start_n + r < kv_len and c < d
-                K_tile[r, c] = load(k[b, hk, start_n + r, c]) if ok else ZERO
-            for idx in range(t, BLOCK_N * DV, BLOCK_M):
-                r, c = idx // DV, idx % DV
-                ok = start_n + r < kv_len and c < dv_len
-                V_tile[r, c] = load(v[b, hk, start_n + r, c]) if ok else ZERO
+            load_k_tile(K_tile, k, b, hk, start_n, kv_len, d, t, BLOCK_M)  # zeros past the end
+            load_v_tile(V_tile, v, b, hk, start_n, kv_len, dv_len, t, BLOCK_M)
             cuda.syncthreads()  # Barrier: both tiles are complete.
 
             for jj in range(BLOCK_N):

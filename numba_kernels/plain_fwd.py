@@ -22,7 +22,8 @@ from functools import lru_cache
 
 from numba import cuda, float32
 
-from .convert import CONVERTERS, SIMULATOR
+from .compile_cache import jit
+from .convert import CONVERTERS, device_function
 from .flash_fwd import ARGS, FASTMATH, LN2, LOG2E, check_parameters, key_range_device
 
 # The plain kernel's arguments: those of flash_fwd.py's ARGS it needs (the same meanings).
@@ -62,15 +63,72 @@ def plain_kernel(D, DV, dtype, has_mask):
     """The compiled kernel for head dims padded to D, DV (compile-time sizes of the local and
     shared arrays), input dtype and whether it reads a mask and a bias."""
     fn = plain_kernel_source(D, DV, dtype, has_mask)
-    return cuda.jit(fn) if SIMULATOR else cuda.jit(fastmath=FASTMATH)(fn)
+    return jit(fn, ("plain", D, DV, dtype, has_mask), FASTMATH)
+
+
+ZERO, NEG_INF = float32(0.0), float32(-math.inf)
+F_LOG2E, F_LN2 = float32(LOG2E), float32(LN2)
+
+
+def make_score(has_mask):
+    """score(dot, ..., i, j, ...): the scaled score q_i . k_j * qk_scale (+ bias, log2 units)
+    of row i and key j, or -inf where the row does not see the key (the contract's key_range,
+    the mask, bias != -inf). Scaled before the mask: a scale <= 0 keeps -inf as -inf."""
+    @device_function(fastmath=FASTMATH)
+    def score(dot, mask, bias, mask_steps, bias_steps, b, h, i, j, n_q, kv_len, left, right,
+              bottom_right, qk_scale):
+        lo, hi = key_range_device(i, n_q, kv_len, left, right, bottom_right)
+        if not (i < n_q and j < kv_len and lo <= j and j < hi):
+            return NEG_INF
+        s = dot * qk_scale
+        if has_mask:  # the steps are 0 where mask or bias broadcasts
+            ms, bs = mask_steps, bias_steps
+            add = bias[b * bs[0], h * bs[1], i * bs[2], j * bs[3]]
+            if mask[b * ms[0], h * ms[1], i * ms[2], j * ms[3]] == 0 or add == NEG_INF:
+                return NEG_INF
+            s += add * F_LOG2E
+        return s
+
+    return score
+
+
+def make_load_tile(dtype, ROWS, WIDTH):
+    """load_tile(tile, x, b, h, start, n, width, t, threads): the shared tile (ROWS, WIDTH + 1)
+    gets rows start.. of x[b, h], float32, zeros past row n and column width. Thread t of
+    `threads` writes every threads-th element: consecutive threads, consecutive columns."""
+    load = CONVERTERS[dtype][0]
+
+    @device_function(fastmath=FASTMATH)
+    def load_tile(tile, x, b, h, start, n, width, t, threads):
+        for idx in range(t, ROWS * WIDTH, threads):
+            r, c = idx // WIDTH, idx % WIDTH
+            ok = start + r < n and c < width
+            tile[r, c] = load(x[b, h, start + r, c]) if ok else ZERO
+
+    return load_tile
+
+
+def make_load_row(dtype, WIDTH):
+    """load_row(row, x, b, h, i, ok, width): the thread's own row[:WIDTH] = x[b, h, i],
+    float32, zeros past column width and where not ok (a row or key past the end)."""
+    load = CONVERTERS[dtype][0]
+
+    @device_function(fastmath=FASTMATH)
+    def load_row(row, x, b, h, i, ok, width):
+        for c in range(WIDTH):
+            row[c] = load(x[b, h, i, c]) if ok and c < width else ZERO
+
+    return load_row
 
 
 def plain_kernel_source(D, DV, dtype, has_mask):
     BLOCK_M, BLOCK_N = plain_tiles(max(D, DV))
     K_W, V_W = D + 1, DV + 1  # shared-array shapes must be closure ints, not expressions
-    load, store, _ = CONVERTERS[dtype]
-    ZERO, NEG_INF = float32(0.0), float32(-math.inf)
-    F_LOG2E, F_LN2 = float32(LOG2E), float32(LN2)
+    store = CONVERTERS[dtype][1]
+    score = make_score(has_mask)
+    load_q_row = make_load_row(dtype, D)
+    load_k_tile, load_v_tile = make_load_tile(dtype, BLOCK_N, D), make_load_tile(dtype,
+                                                                                 BLOCK_N, DV)
 
     def plain_fwd(q, k, v, mask, bias, kv_lengths, out, lse, n_q, group, qk_scale, left,
                   right, bottom_right, mask_steps, bias_steps):
@@ -88,42 +146,26 @@ def plain_kernel_source(D, DV, dtype, has_mask):
         i = start_m + t  # this thread's query row
         d, dv, kv_len = q.shape[3], v.shape[3], kv_lengths[b]
         row_ok = i < n_q  # rows past the end still help load tiles and reach every barrier
-        lo, hi = key_range_device(i, n_q, kv_len, left, right, bottom_right)
 
-        for c in range(D):  # the row of Q, zero-padded to D
-            q_i[c] = load(q[b, h, i, c]) if row_ok and c < d else ZERO
+        load_q_row(q_i, q, b, h, i, row_ok, d)  # the row of Q, zero-padded to D
         m_i, l_i = NEG_INF, ZERO  # running max (log2 units) and sum of exp2(s - m_i)
         for c in range(DV):
             acc[c] = ZERO  # running sum of exp2(s - m_i) * v
 
         for start_n in range(0, kv_len, BLOCK_N):
             cuda.syncthreads()  # Barrier: every read of the previous K and V tiles is done.
-            for idx in range(t, BLOCK_N * D, BLOCK_M):  # K tile, zeros past kv_len and d
-                r, c = idx // D, idx % D
-                ok = start_n + r < kv_len and c < d
-                K_tile[r, c] = load(k[b, hk, start_n + r, c]) if ok else ZERO
-            for idx in range(t, BLOCK_N * DV, BLOCK_M):
-                r, c = idx // DV, idx % DV
-                ok = start_n + r < kv_len and c < dv
-                V_tile[r, c] = load(v[b, hk, start_n + r, c]) if ok else ZERO
+            load_k_tile(K_tile, k, b, hk, start_n, kv_len, d, t, BLOCK_M)  # zeros past the end
+            load_v_tile(V_tile, v, b, hk, start_n, kv_len, dv, t, BLOCK_M)
             cuda.syncthreads()  # Barrier: both tiles are complete.
 
             # S = Q K^T * qk_scale (+ bias), log2 units; -inf where the row does not see j.
             tile_max = NEG_INF
             for jj in range(BLOCK_N):
-                j = start_n + jj
-                x = ZERO
+                dot = ZERO
                 for c in range(D):
-                    x += q_i[c] * K_tile[jj, c]
-                x *= qk_scale  # scaled before the mask: a scale <= 0 keeps -inf as -inf
-                seen = row_ok and j < kv_len and lo <= j and j < hi
-                if has_mask and seen:  # the steps are 0 where mask or bias broadcasts
-                    ms, bs = mask_steps, bias_steps
-                    add = bias[b * bs[0], h * bs[1], i * bs[2], j * bs[3]]
-                    seen = mask[b * ms[0], h * ms[1], i * ms[2], j * ms[3]] != 0 \
-                        and add != NEG_INF
-                    x += add * F_LOG2E
-                s[jj] = x if seen else NEG_INF
+                    dot += q_i[c] * K_tile[jj, c]
+                s[jj] = score(dot, mask, bias, mask_steps, bias_steps, b, h, i, start_n + jj,
+                              n_q, kv_len, left, right, bottom_right, qk_scale)
                 tile_max = max(tile_max, s[jj])
 
             # The online softmax: rescale what was summed under the old max, add this tile.
