@@ -21,8 +21,8 @@ forward. The same function computes the low-precision emulation (lowp.py).
 import numpy as np
 
 from ._xp import array_namespace, quiet
-from .contract import _shape4, check_attention_args, ranges_of, row_lengths
-from .naive import CHUNK_ELEMS, visible, weighted_values
+from .contract import _shape4, check_attention_args
+from .naive import blocks, visible, weighted_values
 
 
 def attention_backward(q, k, v, dout, *, scale=None, causal=False, mask=None, bias=None,
@@ -67,34 +67,21 @@ def backward(problem, q, k, v, dout, mask, bias, kv_lengths, compute, round_fn=N
     feed matrix units. Internal: callers check arguments first."""
     xp = array_namespace(q, k, v, dout)
     pb = problem
-    B, Hk, Nq, Nk, G = pb.batch, pb.heads_k, pb.n_q, pb.n_k, pb.group
+    B, Hk, Nq, Nk = pb.batch, pb.heads_k, pb.n_q, pb.n_k
     dq = xp.zeros((B, pb.heads_q, Nq, pb.d), dtype=compute)
     dk = xp.zeros((B, Hk, Nk, pb.d), dtype=compute)
     dv = xp.zeros((B, Hk, Nk, pb.dv), dtype=compute)
     dbias = None if bias is None else xp.zeros((B, pb.heads_q, Nq, Nk), dtype=compute)
-    full = (B, pb.heads_q, Nq, Nk)
-    mask = None if mask is None else xp.broadcast_to(xp.asarray(mask), full)
-    bias = None if bias is None else xp.broadcast_to(xp.asarray(bias), full)
-    step = max(1, CHUNK_ELEMS // max(1, G * Nk))
-    for b, kv_len in enumerate(row_lengths(pb, kv_lengths)):
-        for hk in range(Hk):
-            k_bh, v_bh = (xp.asarray(x[b, hk, :kv_len], dtype=compute) for x in (k, v))
-            heads = slice(hk * G, (hk + 1) * G)
-            for r0 in range(0, Nq, step):
-                r1 = min(Nq, r0 + step)
-                lo, hi = ranges_of(pb, kv_len, range(r0, r1))
-                j0, j1 = max(0, min(lo)), min(kv_len, max(hi))
-                if j1 <= j0:
-                    continue  # no row of the block sees a key: no gradient
-                part = [None if x is None else x[b, heads, r0:r1, j0:j1] for x in (mask, bias)]
-                q_b, do_b = (xp.asarray(x[b, heads, r0:r1], dtype=compute) for x in (q, dout))
-                g = _block(pb, q_b, k_bh[j0:j1], v_bh[j0:j1], do_b, lo, hi, j0, j1, *part,
-                           compute, round_fn, p_dtype, xp)
-                dq[b, heads, r0:r1] = g[0]
-                dk[b, hk, j0:j1] += g[1]
-                dv[b, hk, j0:j1] += g[2]
-                if dbias is not None:
-                    dbias[b, heads, r0:r1, j0:j1] = g[3]
+    for blk in blocks(pb, k, v, mask, bias, kv_lengths, compute, xp):
+        b, heads, rows, keys = blk.b, blk.heads, blk.rows, slice(blk.j0, blk.j1)
+        q_b, do_b = (xp.asarray(x[b, heads, rows], dtype=compute) for x in (q, dout))
+        g = _block(pb, q_b, blk.k, blk.v, do_b, blk.lo, blk.hi, blk.j0, blk.j1, blk.mask,
+                   blk.bias, compute, round_fn, p_dtype, xp)
+        dq[b, heads, rows] = g[0]
+        dk[b, blk.hk, keys] += g[1]
+        dv[b, blk.hk, keys] += g[2]
+        if dbias is not None:
+            dbias[b, heads, rows, keys] = g[3]
     return dq, dk, dv, dbias
 
 

@@ -14,6 +14,8 @@ CHUNK_ELEMS float64 (32 MiB each) whatever Nq is; only when one row of the group
 The same function computes the low-precision emulation (lowp.py) by changing the arithmetic
 dtype: float64 here, float32 there.
 """
+from typing import NamedTuple
+
 import numpy as np
 
 from ._xp import array_namespace, quiet
@@ -85,6 +87,52 @@ def weighted_values(p, keep, v, xp):
     return xp.where((n_nan > 0) | ((n_pos > 0) & (n_neg > 0)), xp.nan, out)
 
 
+class Block(NamedTuple):
+    """One block of query rows of one (batch b, key head hk), with what it sees."""
+    b: int
+    hk: int
+    heads: slice  # the group's query heads
+    out_rows: slice  # where the block's rows go in the outputs
+    rows: object  # which query rows: a slice, or a list of sampled rows
+    lo: object  # per row, the first key it may see and one past the last (ranges_of)
+    hi: object
+    j0: int  # the keys j0 <= j < j1 that some row of the block sees
+    j1: int
+    k: object  # K and V of those keys, in the arithmetic dtype
+    v: object
+    mask: object  # (G, R, j1 - j0) of the mask and bias, or None
+    bias: object
+
+
+def blocks(pb, k, v, mask, bias, kv_lengths, compute, xp, rows=None):
+    """The row blocks of the direct implementations (the forward here, backward.py), in order:
+    each (batch, key head), each run of R rows with G * R * (keys) <= CHUNK_ELEMS. A block whose
+    rows see no key is left out (its rows give out = 0, lse = -inf, no gradient). rows: None
+    (every query row) or increasing row indices."""
+    n_out = pb.n_q if rows is None else len(rows)
+    full = (pb.batch, pb.heads_q, pb.n_q, pb.n_k)
+    mask = None if mask is None else xp.broadcast_to(xp.asarray(mask), full)
+    bias = None if bias is None else xp.broadcast_to(xp.asarray(bias), full)
+    G = pb.group
+    step = max(1, CHUNK_ELEMS // max(1, G * pb.n_k))
+    for b, kv_len in enumerate(row_lengths(pb, kv_lengths)):
+        for hk in range(pb.heads_k):
+            # K and V of one head are converted to `compute` once; the inputs as a whole never
+            # are (they may be billions of elements, with sampled rows).
+            k_bh, v_bh = (xp.asarray(x[b, hk, :kv_len], dtype=compute) for x in (k, v))
+            heads = slice(hk * G, (hk + 1) * G)
+            for p0 in range(0, n_out, step):
+                p1 = min(n_out, p0 + step)
+                sel = slice(p0, p1) if rows is None else rows[p0:p1]
+                lo, hi = ranges_of(pb, kv_len, range(p0, p1) if rows is None else sel)
+                j0, j1 = max(0, min(lo)), min(kv_len, max(hi))
+                if j1 > j0:
+                    side = [None if x is None else x[b, heads][:, sel, j0:j1]
+                            for x in (mask, bias)]
+                    yield Block(b, hk, heads, slice(p0, p1), sel, lo, hi, j0, j1,
+                                k_bh[j0:j1], v_bh[j0:j1], *side)
+
+
 def forward(problem, q, k, v, mask, bias, kv_lengths, compute, p_dtype=None, round_fn=None,
             rows=None):
     """The one direct implementation, in arithmetic dtype `compute`; returns (out, lse).
@@ -95,34 +143,14 @@ def forward(problem, q, k, v, mask, bias, kv_lengths, compute, p_dtype=None, rou
     """
     xp = array_namespace(q, k, v)
     pb = problem
-    B, Hq, Hk, Nq, Nk, G = pb.batch, pb.heads_q, pb.heads_k, pb.n_q, pb.n_k, pb.group
-    n_out = Nq if rows is None else len(rows)
-    out = xp.zeros((B, Hq, n_out, pb.dv), dtype=compute)
-    lse = xp.full((B, Hq, n_out), -xp.inf, dtype=compute)
-    full = (B, Hq, Nq, Nk)
-    mask = None if mask is None else xp.broadcast_to(xp.asarray(mask), full)
-    bias = None if bias is None else xp.broadcast_to(xp.asarray(bias), full)
-    step = max(1, CHUNK_ELEMS // max(1, G * Nk))
-    for b, kv_len in enumerate(row_lengths(pb, kv_lengths)):
-        for hk in range(Hk):
-            # K and V of one head are converted to `compute` once; the inputs as a whole never
-            # are (they may be billions of elements, with sampled rows).
-            k_bh, v_bh = (xp.asarray(x[b, hk, :kv_len], dtype=compute) for x in (k, v))
-            finite = bool(xp.isfinite(v_bh).all())
-            heads = slice(hk * G, (hk + 1) * G)
-            for p0 in range(0, n_out, step):
-                p1 = min(n_out, p0 + step)
-                # the block's query rows: a slice (every row), or a list (sampled rows)
-                sel = slice(p0, p1) if rows is None else rows[p0:p1]
-                lo, hi = ranges_of(pb, kv_len, range(p0, p1) if rows is None else sel)
-                j0, j1 = max(0, min(lo)), min(kv_len, max(hi))
-                if j1 <= j0:
-                    continue  # every row of the block is fully masked: out = 0, lse = -inf
-                part = [None if x is None else x[b, heads][:, sel, j0:j1] for x in (mask, bias)]
-                o, l_ = _block(pb, xp.asarray(q[b, heads][:, sel], dtype=compute),
-                               k_bh[j0:j1], v_bh[j0:j1], finite, lo, hi, j0, j1, *part,
-                               compute, p_dtype, round_fn, xp)
-                out[b, heads, p0:p1], lse[b, heads, p0:p1] = o, l_
+    n_out = pb.n_q if rows is None else len(rows)
+    out = xp.zeros((pb.batch, pb.heads_q, n_out, pb.dv), dtype=compute)
+    lse = xp.full((pb.batch, pb.heads_q, n_out), -xp.inf, dtype=compute)
+    for blk in blocks(pb, k, v, mask, bias, kv_lengths, compute, xp, rows):
+        q_b = xp.asarray(q[blk.b, blk.heads][:, blk.rows], dtype=compute)
+        o, l_ = _block(pb, q_b, blk.k, blk.v, bool(xp.isfinite(blk.v).all()), blk.lo, blk.hi,
+                       blk.j0, blk.j1, blk.mask, blk.bias, compute, p_dtype, round_fn, xp)
+        out[blk.b, blk.heads, blk.out_rows], lse[blk.b, blk.heads, blk.out_rows] = o, l_
     return out, lse
 
 
