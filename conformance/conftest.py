@@ -35,6 +35,23 @@ def pytest_configure(config):
                                     or "numba")
     config.conformance_impl = None
     _load(config)  # a bad --impl is a usage error now, not an error in every test
+    # Small test grids are what this suite launches: Numba's advice on them is noise here.
+    config.addinivalue_line("filterwarnings",
+                            r"ignore:Grid size \d+ will likely result in GPU under-utilization")
+
+
+def pytest_sessionstart(session):
+    """The bundled kernel's variants, compiled on every core before the first test needs one
+    (once for the machine: numba_kernels/compile_cache.py). Not in xdist's workers."""
+    config = session.config
+    if config.conformance_impl.name != "numba" or hasattr(config, "workerinput"):
+        return
+    from numba_kernels.compile_cache import warm
+    from numba_kernels.specs import shipped_specs
+
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    warm(shipped_specs(), say=lambda line: terminal.write_line(f"conformance: {line}")
+         if terminal else None)
 
 
 def _load(config):

@@ -21,9 +21,11 @@ import time
 from numba import cuda
 
 from . import numba_internals
+from .compile_cache import compiling
 from .convert import SIMULATOR
 
-# What compiling took in this process: KernelSpec (or merge dtype) -> seconds.
+# What compiling, or loading from the disk cache (compile_cache.py), took in this process:
+# KernelSpec (or merge dtype) -> seconds.
 COMPILE_SECONDS = {}
 # Launches that reused a cached parameter list (for the GPU checks: the fast path ran).
 FAST_LAUNCHES = [0]
@@ -34,8 +36,9 @@ _CORE_STREAMS = {}  # Numba stream handle -> cuda.core Stream
 
 
 def compile_times():
-    """{KernelSpec or merge dtype: seconds} for every kernel this process compiled so far (the
-    first call of a variant pays its compile; later calls reuse it)."""
+    """{KernelSpec or merge dtype: seconds} for every kernel this process compiled or loaded
+    from the disk cache so far (the first call of a variant pays for it; later calls reuse
+    it)."""
     return dict(COMPILE_SECONDS)
 
 
@@ -66,7 +69,8 @@ def launch(kernel, key, blocks, threads, stream, *args):
 def _numba_launch(kernel, key, blocks, threads, stream, args):
     versions = len(getattr(kernel, "overloads", ()))  # the simulator compiles nothing
     t0 = time.perf_counter()
-    kernel[blocks, threads, stream](*args)
+    with compiling(kernel):  # the only process compiling this variant, if it compiles
+        kernel[blocks, threads, stream](*args)
     if len(getattr(kernel, "overloads", ())) > versions:
         COMPILE_SECONDS[key] = COMPILE_SECONDS.get(key, 0.0) + time.perf_counter() - t0
 

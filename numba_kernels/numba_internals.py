@@ -9,7 +9,11 @@ The kernels are public Numba CUDA. Two things need more, and only this module re
                                                              into the kernel's parameter list
        _Kernel._codelibrary.get_cufunc().kernel              the version's cuda.core Kernel
    and launches through cuda.core, as Numba itself does (`flatten`, `launch_flat`).
-2. The PTX gate (ptx_report.py, on machines without a GPU). Device functions compile for
+2. The disk cache of compiled kernels (compile_cache.py). `cache_on_disk` gives a dispatcher
+   numba.cuda.dispatcher.CUDACache (Numba's own, what cuda.jit(cache=True) uses) with two
+   changes: its folder (it reads numba.cuda.core.config.CACHE_DIR when it is made) and its
+   key (CUDACache._index_key, see cache_on_disk).
+3. The PTX gate (ptx_report.py, on machines without a GPU). Device functions compile for
    numba.cuda.dispatcher.get_current_device().compute_capability; `compiling_for(cc)` answers
    that question for one compile. Only the gate's own worker processes use it: a device
    function keeps what it compiled for the rest of its process.
@@ -18,13 +22,16 @@ TESTED_WITH names the numba-cuda versions these were tested against; pyproject.t
 same range. At import, PROBLEM is None when the internals look as expected, or says what
 changed; then every launch takes Numba's public path, and the first one that would have
 used the fast path warns once (FastLaunchOff) with the reason. An untested numba-cuda whose
-internals still look right warns once at import.
+internals still look right warns once at import. CACHE_PROBLEM likewise: when it is not None,
+kernels are compiled in every process (no disk cache), with one warning.
 """
 import inspect
 import threading
 import warnings
 from contextlib import contextmanager
 from types import SimpleNamespace
+
+_COMPILE_LOCK = threading.Lock()
 
 TESTED_WITH = ("0.30.4",)
 PREPARE_ARGS = ["self", "ty", "val", "stream", "retr", "kernelargs"]
@@ -62,6 +69,29 @@ def _check():
     return None
 
 
+INDEX_KEY_ARGS = ["self", "sig", "codegen"]
+
+
+def _check_cache():
+    """None when Numba's disk cache looks as cache_on_disk expects, or what differs."""
+    from .convert import SIMULATOR
+
+    if SIMULATOR:
+        return "the CUDA simulator compiles nothing"
+    try:
+        from numba.cuda.core import config
+        from numba.cuda.dispatcher import CUDACache, CUDADispatcher
+    except ImportError as e:
+        return f"an import failed: {e}"
+    got = list(inspect.signature(CUDACache._index_key).parameters)
+    if got != INDEX_KEY_ARGS:
+        return f"CUDACache._index_key takes {got}, expected {INDEX_KEY_ARGS}"
+    if not hasattr(config, "CACHE_DIR") or not callable(getattr(CUDADispatcher,
+                                                                "enable_caching", None)):
+        return "numba.cuda.core.config.CACHE_DIR or CUDADispatcher.enable_caching is gone"
+    return None
+
+
 def numba_cuda_version():
     try:
         from importlib.metadata import version
@@ -76,6 +106,7 @@ if PROBLEM is None and numba_cuda_version() not in TESTED_WITH:
     warnings.warn(f"numba-cuda {numba_cuda_version()} is untested with numba_kernels' fast "
                   f"launch (tested: {', '.join(TESTED_WITH)}); its internals look as expected",
                   FastLaunchOff, stacklevel=2)
+CACHE_PROBLEM = _check_cache()
 _WARNED = []
 
 
@@ -118,6 +149,44 @@ def _data_slot(params, start, array):
     return found[0]
 
 
+class CacheOff(UserWarning):
+    """Compiled kernels are not kept on disk: every process compiles the ones it launches."""
+
+
+def cache_on_disk(dispatcher, folder, key):
+    """Keep `dispatcher`'s compiled versions in `folder`, each under (its argument types, the
+    codegen's magic tuple (the compute capability), the numba-cuda version, `key`).
+
+    Numba's own key is (those, a hash of the kernel's bytecode and of its closure's pickle).
+    Our kernels' closures hold device functions, whose pickles carry a random uuid made in
+    each process, so that key never matches in another process. `key` and the folder take its
+    place: the caller makes them name everything the kernel is built from
+    (compile_cache.variant_folder). Returns False, having warned once, where the internals
+    differ (CACHE_PROBLEM)."""
+    if CACHE_PROBLEM is not None:
+        if not _CACHE_WARNED:
+            _CACHE_WARNED.append(CACHE_PROBLEM)
+            warnings.warn(f"numba_kernels: compiled kernels are not cached on disk "
+                          f"({CACHE_PROBLEM})", CacheOff, stacklevel=3)
+        return False
+    import numba_cuda
+    from numba.cuda.core import config
+    from numba.cuda.dispatcher import CUDACache
+
+    class VariantCache(CUDACache):
+        def _index_key(self, sig, codegen):
+            return (sig, codegen.magic_tuple(), numba_cuda.__version__, key)
+
+    with _COMPILE_LOCK:  # CACHE_DIR is read while the cache is made, then never again
+        saved, config.CACHE_DIR = config.CACHE_DIR, str(folder)
+        try:
+            dispatcher._cache = VariantCache(dispatcher.py_func)
+        finally:
+            config.CACHE_DIR = saved
+    return True
+
+
+_CACHE_WARNED = []
 _BOUND = threading.local()
 
 
@@ -135,7 +204,6 @@ def launch_flat(config, stream, function, params):
     launch(stream, config, function, *params)
 
 
-_COMPILE_LOCK = threading.Lock()
 
 
 @contextmanager

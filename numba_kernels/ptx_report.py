@@ -31,6 +31,8 @@ import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
+from numba_kernels.compile_cache import SOURCES as KERNEL_SOURCES
+
 
 def find_ptxas():
     """ptxas of the same CUDA release as the NVVM that wrote the PTX, else the one on PATH."""
@@ -51,12 +53,8 @@ CACHE = os.environ.get("FLASH_PTX_CACHE",
                        os.path.join(os.path.expanduser("~"), ".cache", "flash-conformance", "ptx"))
 
 
-# Every file the compiled variants are made from (what specs.compile_ptx imports), and this
-# one. A module that a shipped variant comes to import must be added here.
-SOURCES = ("numba_kernels/flash_fwd.py", "numba_kernels/plain_fwd.py",
-           "numba_kernels/plain_bwd.py", "numba_kernels/convert.py", "numba_kernels/specs.py",
-           "numba_kernels/split_kv.py", "numba_kernels/ptx_report.py", "reference/contract.py",
-           "reference/_xp.py", "reference/dtypes.py", "numba_kernels/numba_internals.py")
+# Every file the compiled variants are made from (compile_cache.SOURCES), and this one.
+SOURCES = KERNEL_SOURCES + ("numba_kernels/ptx_report.py",)
 
 
 def dependencies_digest(ptxas):

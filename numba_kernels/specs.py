@@ -9,7 +9,8 @@ from numba import cuda, float32, int16, int32, int64, uint8
 from numba.types import UniTuple, float16
 
 from reference.dtypes import KERNEL_DTYPES
-from .convert import CONVERTERS, SIMULATOR
+from .compile_cache import jit
+from .convert import CONVERTERS
 from .flash_fwd import ARGS, FASTMATH, KernelSpec, kernel_source
 from .plain_bwd import DELTA_ARGS, DKDV_ARGS, DQ_ARGS, PlainBwdSpec, bwd_kernel_source
 from .plain_fwd import PLAIN_ARGS, PlainSpec, plain_kernel_source
@@ -127,21 +128,16 @@ def merge_signature(dtype):
 @lru_cache(maxsize=None)
 def build_kernel(spec):
     """The kernel for `spec`. Numba compiles it at the first launch for the argument types it
-    sees and keeps each compiled version for the process: one for C-contiguous arrays, one more
-    if strided arrays come (C-contiguous addressing is faster: PERF.md, v7)."""
-    return _jit(kernel_source(spec))
+    sees (or loads it from the disk cache, compile_cache.py) and keeps each compiled version
+    for the process: one for C-contiguous arrays, one more if strided arrays come
+    (C-contiguous addressing is faster: PERF.md, v7)."""
+    return jit(kernel_source(spec), spec, FASTMATH)
 
 
 @lru_cache(maxsize=None)
 def build_merge(dtype):
     """The split-KV merge kernel writing outputs of `dtype`."""
-    return _jit(merge_source(dtype))
-
-
-def _jit(fn):
-    if SIMULATOR:  # the simulator takes no fastmath
-        return cuda.jit(fn)
-    return cuda.jit(fastmath=FASTMATH)(fn)
+    return jit(merge_source(dtype), ("merge", dtype), FASTMATH)
 
 
 def launch_grid(n_q, batch, heads_q, spec, n_splits=1):

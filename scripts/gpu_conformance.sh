@@ -6,6 +6,8 @@
 #               SDPA_EXAMPLES examples a property, no shrinking (a survey of what each does)
 #   numba+sdpa  both at once, the survey in the background (the GPU has room for both; the
 #               numba time is then an upper bound)
+#   cache       the numba stage twice on an empty kernel cache (numba_kernels/compile_cache.py):
+#               the first run compiles every variant on every core, the second compiles none
 # CONFORMANCE_ARGS: more pytest options for the numba stage (e.g. --no-shrink).
 # SDPA_IMPLS: the backends to survey (default all four).
 # Time limits: CONFORMANCE_TIMEOUT (numba), SDPA_TIMEOUT (each backend), in seconds. A suite
@@ -47,6 +49,13 @@ for stage in "${stages[@]}"; do
       echo "gpu_check: rc=$? in $(( $(date +%s) - start )) s"; tail -3 "$OUT/check.log"
       python3 scripts/dev/layout_check.py 2>&1 | grep -v Warning | tee "$OUT/layout.log" ;;
     numba) run_numba ;;
+    cache)
+      export FLASH_KERNEL_CACHE=$(mktemp -d)
+      for run in first second; do
+        echo "== $run run on the kernel cache $FLASH_KERNEL_CACHE"
+        run_numba; cp "$OUT/conformance-numba.log" "$OUT/conformance-numba-$run.log"
+        grep -E "conformance: (compiling|numba:)" "$OUT/conformance-numba-$run.log"
+      done ;;
     sdpa) run_sdpa ;;
     numba+sdpa)
       run_sdpa > "$OUT/sdpa-summary.log" 2>&1 &

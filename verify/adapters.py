@@ -192,8 +192,8 @@ def _numba(plain=False):
         times = compile_times()
         if not times:
             return None
-        return (f"numba: {len(times)} kernel variants compiled in {sum(times.values()):.0f} s "
-                f"(once each per process, at its first call)")
+        return (f"numba: {len(times)} kernel variants compiled or loaded from the disk cache "
+                f"in {sum(times.values()):.0f} s (once each per process, at its first call)")
 
     on_gpu = not SIMULATOR
     # On a GPU the number of key splits (split_kv.py) depends on the grid, so one (batch,
