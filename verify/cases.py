@@ -330,12 +330,22 @@ def battery(suite="quick", dtypes=KERNEL_DTYPES, max_head_dim=256):
         add("long row 4096", Nq=64, Nk=4096, B=1)
         add("decode Nq=1", Nq=1, Nk=3000, B=4, Hq=8, Hk=2, kv_lengths="random")
     if suite == "full":
+        sweep = zip((16, 40, 64, 96, 128, max_head_dim), ("mask", "top_left", "bottom_right",
+                                                            "window", "kv_lengths", "none"))
+        for (d, kind), dtype in itertools.product(sweep, dtypes):  # each dtype, each kind
+            add(f"head dim {d} {kind} 1000x1537 [{dtype}]", B=2, Hq=4, Hk=2, Nq=1000, Nk=1537,
+                D=d, Dv=d, dtype=dtype, **_KINDS[kind])
         for dtype in dtypes:
             add(f"long 4096x4096 D=128 [{dtype}]", B=1, Hq=4, Hk=4, Nq=4096, Nk=4096, D=128,
                 Dv=128, causal="bottom_right", dtype=dtype)
         add("long 8192x8192 D=64", B=1, Hq=2, Hk=2, Nq=8192, Nk=8192, D=64, Dv=64)
         add("B*H = 1024", B=64, Hq=16, Hk=16, Nq=128, Nk=128)
     return cases
+
+
+_KINDS = {"none": {}, "mask": dict(mask="random"), "top_left": dict(causal="top_left"),
+          "bottom_right": dict(causal="bottom_right"), "window": dict(window=(97, 13)),
+          "kv_lengths": dict(kv_lengths="random", causal="bottom_right")}
 
 
 def edge_cases(dtype="float32"):
