@@ -34,7 +34,9 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     Returns out (B, Hq, Nq, Dv) in the input dtype, and lse (B, Hq, Nq) float32 (natural log)
     when return_lse. Arithmetic is float32. D and Dv are zero-padded to one width from
     specs.HEAD_DIMS: fastest when D == Dv is one of them, and without a mask. NumPy inputs are
-    copied to the device contiguously; device arrays are read through their strides.
+    copied to the device; strided torch and CuPy inputs are copied contiguous on the device
+    first (so that a variant has one compiled version); other device arrays are read through
+    their strides.
 
     num_splits: split the keys into this many ranges, one block each, merged by lse
     (split_kv.py); None chooses: splits only when the query tiles alone leave the GPU's SMs
@@ -179,7 +181,11 @@ def _io_for(q, k, v, mask, bias, kv_lengths):
     if not cuda.is_available():
         raise RuntimeError(NO_DEVICE)
     if kind == "cuda":
-        return _CudaIO(type(q).__module__.startswith("cupy"))
+        cupy_inputs = type(q).__module__.startswith("cupy")
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not cupy_inputs and not _device_array(x).is_c_contiguous():
+                raise ValueError(f"{name}: {STRIDED_DEVICE_ARRAY}")
+        return _CudaIO(cupy_inputs)
     if kind == "torch":
         return _TorchIO(q.device)
     return _NumpyIO()
@@ -247,7 +253,10 @@ class _TorchIO:
             self.stream = self._streams[handle] = cuda.external_stream(handle)
 
     def dev(self, x):
-        return transported(x.detach())
+        # Strided inputs are copied contiguous: every kernel variant then has one compiled
+        # version, for C-contiguous arrays, which the disk cache and warm-up cover
+        # (compile_cache.py), where q, k and v being C-, F- or any-layout would be 27.
+        return transported(x.detach().contiguous())
 
     def empty(self, shape, dtype):
         return self.torch.empty(shape, dtype=getattr(self.torch, dtype), device=self.device)
@@ -293,7 +302,14 @@ class _CudaIO(_NumpyIO):
     def dev(self, x):
         if isinstance(x, _Pending):
             return x.device
-        return cuda.as_cuda_array(x) if hasattr(x, "__cuda_array_interface__") else x
+        if type(x).__module__.startswith("cupy"):  # strided: copied, as for torch
+            import cupy
+
+            x = cupy.ascontiguousarray(x)
+        x = _device_array(x)
+        if not x.is_c_contiguous():
+            raise ValueError(f"an array of shape {tuple(x.shape)}: {STRIDED_DEVICE_ARRAY}")
+        return x
 
     def mask(self, mask):
         if mask is None:
@@ -316,6 +332,16 @@ class _CudaIO(_NumpyIO):
 
             return cupy.asarray(x.device)
         return x.device
+
+
+STRIDED_DEVICE_ARRAY = ("a strided Numba device array; pass it C-contiguous (torch and CuPy "
+                        "arrays are copied contiguous, other device arrays are not)")
+
+
+def _device_array(x):
+    """A Numba device array of a CUDA array (the simulator's own arrays are already one)."""
+    return cuda.as_cuda_array(x) if hasattr(cuda, "as_cuda_array") and hasattr(
+        x, "__cuda_array_interface__") else x
 
 
 def _as4d(x):

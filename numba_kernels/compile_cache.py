@@ -136,7 +136,7 @@ def _warm_one(spec):
 
     kernel = build_kernel(spec)
     with compiling(kernel):
-        kernel.compile(signature(spec, "C"))
+        kernel.compile(signature(spec))
     cc = cuda.get_current_device().compute_capability
     open(_marker(spec, cc), "w").close()
     return spec

@@ -2,21 +2,21 @@
 
     python -m numba_kernels.ptx_report [--cc 9.0] [--jobs 2] [--json PATH] [--no-cache]
 
-For each variant, in both versions Numba compiles (C-contiguous arrays, what contiguous inputs
-launch, and any-layout arrays, for strided inputs), and for the split-KV merge kernel of each
-dtype, and for the plain kernels (plain_fwd.py and the backward's plain_bwd.py, contiguous
-arrays): numba.cuda.compile_ptx for the compute capability, then `ptxas -v`, which reports
-registers, spills, stack frame and shared memory. A variant fails when it spills, needs a
-stack frame (arrays that fell out of registers into local memory; the plain kernels keep a
-row or a key there by design, so for them only the rest counts), uses more static shared memory than 48 KB, or has a float64 instruction in
-its PTX (a bare Python float turns float32 arithmetic into float64). The CUDA simulator
-cannot show any of this.
+For each variant of the tuned kernel, the split-KV merge kernel of each dtype, and the plain
+kernels (plain_fwd.py and the backward's plain_bwd.py), with the argument types every launch
+passes (C-contiguous arrays: api.py makes strided inputs contiguous): numba.cuda.compile_ptx
+for the compute capability, then `ptxas -v`, which reports registers, spills, stack frame and
+shared memory. A variant fails when it spills, needs a stack frame (arrays that fell out of
+registers into local memory; the plain kernels keep a row or a key there by design, so for
+them only the rest counts), uses more static shared memory than 48 KB, or has a float64
+instruction in its PTX (a bare Python float turns float32 arithmetic into float64). The CUDA
+simulator cannot show any of this.
 Exit code 0 only when every variant passes.
 
 Each variant's figures are cached (FLASH_PTX_CACHE, default ~/.cache/flash-conformance/ptx)
 under a key made of everything its PTX and ptxas's verdict depend on: the sources it is
 compiled from (SOURCES: reference/contract.py too, whose key_range is in the kernel), the
-variant, the layout, the compute capability, the numba and numba-cuda versions and ptxas's
+variant, the compute capability, the numba and numba-cuda versions and ptxas's
 own version. A change to any of them is a new key, so a cached figure is never stale.
 """
 import argparse
@@ -74,17 +74,17 @@ def dependencies_digest(ptxas):
 
 def cached_check(args):
     """check_variant, through the cache when args carry a digest (args[4]) and a folder."""
-    spec, layout, cc, ptxas, digest, folder = args
+    spec, cc, ptxas, digest, folder = args
     if not folder:
-        return check_variant(args[:4])
-    key = hashlib.sha256(f"{digest} {spec!r} {layout} {cc}".encode()).hexdigest()
+        return check_variant(args[:3])
+    key = hashlib.sha256(f"{digest} {spec!r} {cc}".encode()).hexdigest()
     path = os.path.join(folder, key + ".json")
     try:
         with open(path) as f:
             return dict(json.load(f), cached=True)
     except (OSError, ValueError):
         pass
-    row = check_variant(args[:4])
+    row = check_variant(args[:3])
     os.makedirs(folder, exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(row, f)
@@ -93,14 +93,14 @@ def cached_check(args):
 
 
 def check_variant(args):
-    spec, layout, cc, ptxas = args
+    spec, cc, ptxas = args
     from numba_kernels.flash_fwd import STATIC_SHARED_LIMIT
     from numba_kernels.numba_internals import compiling_for
     from numba_kernels.specs import compile_ptx
 
     with compiling_for(cc):  # this worker process launches nothing
-        ptx = compile_ptx(spec, cc, layout)
-    name = f"merge_splits({spec})" if isinstance(spec, str) else f"{spec!r} layout {layout}"
+        ptx = compile_ptx(spec, cc)
+    name = f"merge_splits({spec})" if isinstance(spec, str) else repr(spec)
     f64 = len(re.findall(r"\.f64\b", ptx))
     arch = f"sm_{cc[0]}{cc[1]}"
     with tempfile.TemporaryDirectory() as tmp:
@@ -148,18 +148,15 @@ def main(argv=None):
 
     cc = tuple(int(x) for x in a.cc.split("."))
     ptxas = find_ptxas()
-    # the kernel variants in both layouts, then the merge kernels
-    specs = [(s, layout) for s in shipped_specs() for layout in ("C", "A")]
-    specs += [(dtype, "A") for dtype in DTYPES]
-    specs += [(s, "C") for s in plain_specs()]  # the plain kernel: local memory allowed
-    specs += [(s, "C") for s in plain_bwd_specs()]  # the plain backward kernels likewise
+    # the kernel variants, the merge kernels, the plain kernels (local memory allowed)
+    specs = shipped_specs() + list(DTYPES) + plain_specs() + plain_bwd_specs()
     folder = None if a.no_cache else CACHE
     digest = dependencies_digest(ptxas) if folder else None
     print(f"compiling {len(specs)} kernels for sm_{cc[0]}{cc[1]} with {ptxas}"
           + (f" (cache {folder})" if folder else ""), flush=True)
     rows = []
     with ProcessPoolExecutor(a.jobs) as pool:
-        jobs = [(s, layout, cc, ptxas, digest, folder) for s, layout in specs]
+        jobs = [(s, cc, ptxas, digest, folder) for s in specs]
         for i, row in enumerate(pool.map(cached_check, jobs)):
             rows.append(row)
             status = "ok" if row["ok"] else "FAIL " + ",".join(row.get("problems", ["ptxas"]))

@@ -86,20 +86,18 @@ def shipped_specs():
 _NUMBA_TYPES = {"float32": float32, "float16": float16, "int16": int16}
 
 
-def signature(spec, layout="A"):
-    """Argument types of the kernel for `spec` (for compile_ptx), from its ARGS. layout "A":
-    any-layout arrays, the version Numba compiles for strided inputs; "C": C-contiguous
-    arrays, the version contiguous inputs launch."""
+def signature(spec):
+    """Argument types of the kernel for `spec`, from its ARGS: what every launch passes (every
+    array C-contiguous: api.py makes them so), for compile_ptx and compile_cache.warm."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
-    return arg_types(ARGS, elem, float32 if spec.partial else elem, layout)
+    return arg_types(ARGS, elem, float32 if spec.partial else elem)
 
 
-def arg_types(args, elem, out_elem, layout):
+def arg_types(args, elem, out_elem):
     """The Numba type of each (name, kind, meaning) of a kernel's ARGS, for input elements
-    `elem`, output elements `out_elem` and array layout "A" or "C"."""
-    def array(t, ndim):  # t[:, :, ::1] (C) or t[:, :, :] (A)
-        last = slice(None, None, 1 if layout == "C" else None)
-        return t[(slice(None),) * (ndim - 1) + (last,)] if ndim > 1 else t[last]
+    `elem` and output elements `out_elem`, arrays C-contiguous."""
+    def array(t, ndim):  # t[:, :, ::1]
+        return t[(slice(None),) * (ndim - 1) + (slice(None, None, 1),)]
 
     kinds = {"input": array(elem, 4), "output": array(out_elem, 4), "mask": array(uint8, 4),
              "bias": array(float32, 4), "lengths": array(int32, 1), "lse": array(float32, 3),
@@ -110,27 +108,27 @@ def arg_types(args, elem, out_elem, layout):
 def plain_signature(spec):
     """Argument types of the plain kernel (plain_fwd.py), C-contiguous arrays."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
-    return arg_types(PLAIN_ARGS, elem, elem, "C")
+    return arg_types(PLAIN_ARGS, elem, elem)
 
 
 def plain_bwd_signature(spec):
     """Argument types of a plain backward kernel (plain_bwd.py), C-contiguous arrays."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
     args = {"delta": DELTA_ARGS, "dkdv": DKDV_ARGS, "dq": DQ_ARGS}[spec.part]
-    return arg_types(args, elem, elem, "C")
+    return arg_types(args, elem, elem)
 
 
 def merge_signature(dtype):
-    out4 = _NUMBA_TYPES[CONVERTERS[dtype][2]][:, :, :, :]
-    return (float32[:, :, :, :], float32[:, :, :], out4, float32[:, :, :], int64)
+    out4 = _NUMBA_TYPES[CONVERTERS[dtype][2]][:, :, :, ::1]
+    return (float32[:, :, :, ::1], float32[:, :, ::1], out4, float32[:, :, ::1], int64)
 
 
 @lru_cache(maxsize=None)
 def build_kernel(spec):
     """The kernel for `spec`. Numba compiles it at the first launch for the argument types it
     sees (or loads it from the disk cache, compile_cache.py) and keeps each compiled version
-    for the process: one for C-contiguous arrays, one more if strided arrays come
-    (C-contiguous addressing is faster: PERF.md, v7)."""
+    for the process: one for C-contiguous arrays (torch and CuPy inputs are made contiguous:
+    api.py), one more if other strided device arrays come."""
     return jit(kernel_source(spec), spec, FASTMATH)
 
 
@@ -149,8 +147,8 @@ def launch_grid(n_q, batch, heads_q, spec, n_splits=1):
     return blocks, spec.threads, n_tiles
 
 
-def compile_ptx(spec, cc=(9, 0), layout="A"):
-    """PTX of a kernel variant (a KernelSpec) for array layout "A" or "C" (see signature), or
+def compile_ptx(spec, cc=(9, 0)):
+    """PTX of a kernel variant (a KernelSpec, with the argument types of signature), or
     of the merge kernel for a dtype (a str), for compute capability cc, compiled on any machine
     (no GPU needed) inside numba_internals.compiling_for(cc): for the ptxas report
     (ptx_report.py), in processes of its own."""
@@ -163,5 +161,5 @@ def compile_ptx(spec, cc=(9, 0), layout="A"):
         fn = bwd_kernel_source(spec.part, spec.width, spec.width, spec.dtype, spec.has_mask)
         sig = plain_bwd_signature(spec)
     else:
-        fn, sig = kernel_source(spec), signature(spec, layout)
+        fn, sig = kernel_source(spec), signature(spec)
     return cuda.compile_ptx(fn, sig, cc=cc, fastmath=FASTMATH)[0]

@@ -3,7 +3,8 @@
 # the kernel's A/B timing against an older version, its battery and sanitizers.
 # STEPS picks the parts (default "ab check verify broken findings scale"; "backward" runs the
 # standard backward suite on BACKWARD_IMPLS); logs and certificates go
-# to $OUT. The A/B runs alone (timing); the correctness steps run side by side.
+# to $OUT. The A/B runs alone (timing); the correctness steps run side by side, each within
+# JOB_TIMEOUT seconds (default 420).
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -24,14 +25,14 @@ if step ab && [[ -f numba_kernels/_ab_old_flash_fwd.py ]]; then
 fi
 pids=()
 if step check; then
-  (timeout 420 python3 scripts/dev/gpu_check.py --quick --out "$OUT" > "$OUT/check.log" 2>&1;
+  (timeout "${JOB_TIMEOUT:-420}" python3 scripts/dev/gpu_check.py --quick --out "$OUT" > "$OUT/check.log" 2>&1;
    echo "gpu_check rc=$?" >> "$OUT/check.log") &
   pids+=($!)
 fi
 if step verify; then
   for impl in $IMPLS; do
     (start=$(date +%s)
-     timeout 420 python3 -W ignore -m verify "$impl" --suite standard --timeout 60 \
+     timeout "${JOB_TIMEOUT:-420}" python3 -W ignore -m verify "$impl" --suite standard --timeout 60 \
        --json "$OUT/verify-$impl.json" > "$OUT/verify-$impl.log" 2>&1
      echo "rc=$? in $(( $(date +%s) - start )) s" >> "$OUT/verify-$impl.log") &
     pids+=($!)
@@ -40,7 +41,7 @@ fi
 if step backward; then
   for impl in $BACKWARD_IMPLS; do
     (start=$(date +%s)
-     timeout 420 python3 -W ignore -m verify "$impl" --suite standard --backward --timeout 60 \
+     timeout "${JOB_TIMEOUT:-420}" python3 -W ignore -m verify "$impl" --suite standard --backward --timeout 60 \
        --json "$OUT/backward-$impl.json" > "$OUT/backward-$impl.log" 2>&1
      echo "rc=$? in $(( $(date +%s) - start )) s" >> "$OUT/backward-$impl.log") &
     pids+=($!)

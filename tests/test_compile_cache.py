@@ -73,7 +73,7 @@ from numba_kernels import specs
 spec = specs.choose_spec(64, 64, "bfloat16", True)
 kernel = specs.build_kernel(spec)
 codegen = SimpleNamespace(magic_tuple=lambda: ("nvptx64-nvidia-cuda", "sm_90", ""))
-key = kernel._cache._index_key(specs.signature(spec, "C"), codegen)
+key = kernel._cache._index_key(specs.signature(spec), codegen)
 print(kernel._cache.cache_path)
 print(hashlib.sha256(repr(key).encode()).hexdigest())
 """

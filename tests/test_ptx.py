@@ -68,15 +68,15 @@ def test_the_cache_serves_only_an_unchanged_variant(tmp_path, monkeypatch):
         return dict(spec=repr(args[0]), ok=True)
 
     monkeypatch.setattr(ptx_report, "check_variant", fake_check)
-    job = ("spec", "C", (9, 0), "ptxas", "digest", str(tmp_path))
+    job = ("spec", (9, 0), "ptxas", "digest", str(tmp_path))
     assert ptx_report.cached_check(job) == dict(spec="'spec'", ok=True)
     assert ptx_report.cached_check(job)["cached"] and len(compiled) == 1
-    for changed in (("spec", "A", (9, 0), "ptxas", "digest"),  # layout
-                    ("spec", "C", (8, 0), "ptxas", "digest"),  # compute capability
-                    ("spec", "C", (9, 0), "ptxas", "other sources")):  # a dependency
+    for changed in (("other spec", (9, 0), "ptxas", "digest"),  # the variant
+                    ("spec", (8, 0), "ptxas", "digest"),  # compute capability
+                    ("spec", (9, 0), "ptxas", "other sources")):  # a dependency
         assert "cached" not in ptx_report.cached_check(changed + (str(tmp_path),))
     assert len(compiled) == 4
-    ptx_report.cached_check(job[:5] + (None,))  # no folder: no cache
+    ptx_report.cached_check(job[:4] + (None,))  # no folder: no cache
     assert len(compiled) == 5
 
 

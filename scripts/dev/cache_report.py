@@ -1,0 +1,30 @@
+"""Run pytest with the given arguments, then list each kernel variant this process launched:
+the seconds its first launches took (compiling or loading) and Numba's disk-cache hits and
+misses, with the argument layouts it was built for.
+
+    FLASH_KERNEL_CACHE=DIR python scripts/dev/cache_report.py conformance -x ...
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import pytest  # noqa: E402
+
+
+def main():
+    rc = pytest.main(sys.argv[1:])
+    from numba_kernels import compile_cache, launch
+
+    for kernel, folder in list(compile_cache._FOLDERS.items()):
+        layouts = ["".join(getattr(t, "layout", "-")[0] for t in sig)
+                   for sig in kernel.overloads]
+        print(f"{os.path.basename(folder)} hits {sum(kernel._cache_hits.values())} misses "
+              f"{sum(kernel._cache_misses.values())} layouts {layouts}")
+    for key, seconds in sorted(launch.COMPILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"{seconds:6.2f} s {key}")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
