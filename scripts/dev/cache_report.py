@@ -16,11 +16,17 @@ def main():
     rc = pytest.main(sys.argv[1:])
     from numba_kernels import compile_cache, launch
 
+    from numba_kernels.specs import build_kernel, shipped_specs, signature
+
+    expected = {build_kernel(s): signature(s) for s in shipped_specs()}
     for kernel, folder in list(compile_cache._FOLDERS.items()):
-        layouts = ["".join(getattr(t, "layout", "-")[0] for t in sig)
-                   for sig in kernel.overloads]
         print(f"{os.path.basename(folder)} hits {sum(kernel._cache_hits.values())} misses "
-              f"{sum(kernel._cache_misses.values())} layouts {layouts}")
+              f"{sum(kernel._cache_misses.values())}")
+        for sig in kernel._cache_misses:
+            want = expected.get(kernel)
+            diff = [(i, str(a), str(b)) for i, (a, b) in enumerate(zip(sig, want or sig))
+                    if a != b]
+            print(f"   missed {len(sig)} types; differs from signature(spec) at {diff}")
     for key, seconds in sorted(launch.COMPILE_SECONDS.items(), key=lambda kv: -kv[1])[:15]:
         print(f"{seconds:6.2f} s {key}")
     return rc
