@@ -47,10 +47,10 @@ def pytest_sessionstart(session):
     if config.conformance_impl.name != "numba" or hasattr(config, "workerinput"):
         return
     from numba_kernels.compile_cache import warm
-    from numba_kernels.specs import shipped_specs
+    from numba_kernels.specs import DTYPES, shipped_specs
 
     terminal = config.pluginmanager.get_plugin("terminalreporter")
-    warm(shipped_specs(), say=lambda line: terminal.write_line(f"conformance: {line}")
+    warm(shipped_specs() + list(DTYPES), say=lambda line: terminal.write_line(f"conformance: {line}")
          if terminal else None)
 
 

@@ -103,9 +103,10 @@ def compiling(kernel):
 
 
 def warm(specs, jobs=None, say=None):
-    """Compile the tuned kernel's variants `specs` (KernelSpecs) for contiguous inputs into
-    the disk cache, on `jobs` processes (default: every core), skipping those compiled there
-    before. say(line): progress. Returns the number compiled now."""
+    """Compile `specs` into the disk cache, with the argument types every launch passes: the
+    tuned kernel's variants (KernelSpecs) and the split-KV merge kernels (their dtypes), on
+    `jobs` processes (default: every core), skipping those compiled there before.
+    say(line): progress. Returns the number compiled now."""
     if SIMULATOR or cache_root() is None:
         return 0
     cc = cuda.get_current_device().compute_capability
@@ -127,16 +128,21 @@ def warm(specs, jobs=None, say=None):
 
 
 def _marker(spec, cc):
-    return os.path.join(variant_folder(spec), f"warm-C-sm{cc[0]}{cc[1]}")
+    key = ("merge", spec) if isinstance(spec, str) else spec
+    return os.path.join(variant_folder(key), f"warm-sm{cc[0]}{cc[1]}")
 
 
 def _warm_one(spec):
-    """In a worker process: compile `spec` for contiguous arrays, into the cache."""
-    from .specs import build_kernel, signature
+    """In a worker process: compile `spec` (a KernelSpec, or a merge kernel's dtype) into the
+    cache."""
+    from .specs import build_kernel, build_merge, merge_signature, signature
 
-    kernel = build_kernel(spec)
+    if isinstance(spec, str):
+        kernel, types = build_merge(spec), merge_signature(spec)
+    else:
+        kernel, types = build_kernel(spec), signature(spec)
     with compiling(kernel):
-        kernel.compile(signature(spec))
+        kernel.compile(types)
     cc = cuda.get_current_device().compute_capability
     open(_marker(spec, cc), "w").close()
     return spec

@@ -96,8 +96,9 @@ def signature(spec):
 def arg_types(args, elem, out_elem):
     """The Numba type of each (name, kind, meaning) of a kernel's ARGS, for input elements
     `elem` and output elements `out_elem`, arrays C-contiguous."""
-    def array(t, ndim):  # t[:, :, ::1]
-        return t[(slice(None),) * (ndim - 1) + (slice(None, None, 1),)]
+    def array(t, ndim):  # t[:, :, ::1]; t[::1] in one dimension (a 1-tuple would be F)
+        last = slice(None, None, 1)
+        return t[(slice(None),) * (ndim - 1) + (last,)] if ndim > 1 else t[last]
 
     kinds = {"input": array(elem, 4), "output": array(out_elem, 4), "mask": array(uint8, 4),
              "bias": array(float32, 4), "lengths": array(int32, 1), "lse": array(float32, 3),

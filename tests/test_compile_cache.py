@@ -116,3 +116,21 @@ def test_compiles_of_one_variant_take_turns(tmp_path):
     for t in threads:
         t.join()
     assert [e.split()[1] for e in events] == ["start", "end", "start", "end"], events
+
+
+def test_warmed_signatures_are_what_launches_pass():
+    """Every launch passes C-contiguous arrays (api.py copies strided torch and CuPy inputs),
+    so the signatures warm() compiles must say C for every array, one dimension included (a
+    1-D kv_lengths typed F made every launch miss the warmed entry and compile again)."""
+    from numba.core import types
+
+    from numba_kernels.plain_bwd import PlainBwdSpec
+    from numba_kernels.plain_fwd import PlainSpec
+    from numba_kernels.specs import (DTYPES, merge_signature, plain_bwd_signature,
+                                     plain_signature, shipped_specs, signature)
+
+    sigs = [signature(s) for s in shipped_specs()] + [merge_signature(d) for d in DTYPES]
+    sigs += [plain_signature(PlainSpec(64, "float16", True)),
+             plain_bwd_signature(PlainBwdSpec("dq", 64, "float16", True))]
+    layouts = {t.layout for sig in sigs for t in sig if isinstance(t, types.Array)}
+    assert layouts == {"C"}, layouts
