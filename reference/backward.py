@@ -22,7 +22,7 @@ import numpy as np
 
 from ._xp import array_namespace, quiet
 from .contract import _shape4, check_attention_args
-from .naive import blocks, visible, weighted_values
+from .naive import blocks, seen, visible, weighted_values
 
 
 def attention_backward(q, k, v, dout, *, scale=None, causal=False, mask=None, bias=None,
@@ -99,11 +99,14 @@ def _block(pb, q_b, k_b, v_b, do_b, lo, hi, j0, j1, mask_b, bias_b, compute, rou
             s += bias_b
         if keep is not None:
             s = xp.where(keep, s, -xp.inf)
+        keep = seen(s, xp)
         m = s.max(axis=-1, keepdims=True)
         s -= xp.where(m == -xp.inf, 0, m)
         p = xp.exp(s, out=s)
         l = p.sum(axis=-1, keepdims=True)  # noqa: E741
         p /= xp.where(l == 0, 1, l)  # P; a row that sees no key: all 0 already
+        if keep is not None:  # a NaN row's P is NaN at its hidden keys too: selected away
+            p = xp.where(keep, p, 0)
         dp = do_b @ v_b.T  # hidden keys' values (NaN, inf) must not reach dS: selected away
         if keep is not None:
             dp = xp.where(keep, dp, 0)

@@ -67,6 +67,16 @@ def visible(lo, hi, j0, j1, mask, bias, xp):
     return keep
 
 
+def seen(s, xp):
+    """The (row, key) pairs that take part, from the masked scores s (hidden keys -inf): those
+    whose score is not -inf, however it arose (the contract: -inf scores behave as masked
+    keys), or None where every pair takes part. The products below (weighted_values) and the
+    gradients select on these pairs, so that neither 0 * inf from a key whose score is -inf
+    nor the NaN weights of a NaN row reach anything outside the pairs."""
+    keep = s != -xp.inf
+    return None if bool(keep.all()) else keep
+
+
 def weighted_values(p, keep, v, xp):
     """P @ V where an invisible key's value, even NaN or inf, contributes nothing.
 
@@ -166,6 +176,7 @@ def _block(pb, q_b, k_b, v_b, finite, lo, hi, j0, j1, mask_b, bias_b, compute, p
             s += bias_b
         if keep is not None:
             s = xp.where(keep, s, -xp.inf)
+        keep = seen(s, xp)
         m = s.max(axis=-1, keepdims=True)  # NaN propagates; -inf: no visible key
         m = xp.where(m == -xp.inf, 0, m)  # never exp(-inf - -inf)
         s -= m

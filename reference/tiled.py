@@ -12,7 +12,7 @@ import math
 
 from ._xp import array_namespace, quiet
 from .contract import check_attention_args, row_lengths, row_ranges
-from .naive import visible, weighted_values
+from .naive import seen, visible, weighted_values
 
 LOG2E = 1.0 / math.log(2.0)
 LN2 = math.log(2.0)
@@ -65,6 +65,7 @@ def _program(pb, q_tile, k, v, kv_len, start_m, mask, bias, qk_scale, BLOCK_N, x
                 s = s + bias[:, cols] * LOG2E
             if keep is not None:
                 s = xp.where(keep, s, -xp.inf)
+            keep = seen(s, xp)  # -inf scores take no part, however they arose
             m_new = xp.maximum(m_i, s.max(axis=1))  # NaN propagates
             m_safe = xp.where(m_new == -xp.inf, 0.0, m_new)  # fully-masked guard
             alpha = xp.exp2(m_i - m_safe)  # rescales what was summed under the old max

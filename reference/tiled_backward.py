@@ -25,7 +25,7 @@ For reading and checking: it agrees with reference.attention_backward to ~1e-12 
 from ._xp import array_namespace, quiet
 from .backward import check_dout
 from .contract import check_attention_args, row_lengths, row_ranges
-from .naive import attention, visible, weighted_values
+from .naive import attention, seen, visible, weighted_values
 from .tiled import LOG2E
 
 
@@ -79,8 +79,11 @@ def _key_program(pb, b, heads, kv_len, cols, q, k_tile, v_tile, dout, lse, delta
                     s = s + bias[b, h, rows, cols] * LOG2E
                 if keep is not None:
                     s = xp.where(keep, s, -xp.inf)
+                keep = seen(s, xp)  # -inf scores take no part, however they arose
                 lse2 = lse[b, h, rows, None] * LOG2E
                 p = xp.where(lse2 == -xp.inf, 0.0, xp.exp2(s - lse2))  # empty rows: P = 0
+                if keep is not None:  # a NaN lse makes P NaN at hidden keys too
+                    p = xp.where(keep, p, 0.0)
                 keep_t = None if keep is None else keep.T  # (key, row) pairs seen
                 dv_acc += weighted_values(p.T, keep_t, do_tile, xp)
                 dp = do_tile @ v_tile.T

@@ -119,6 +119,33 @@ def test_hidden_values_reach_no_gradient_and_empty_rows_give_none():
         assert_same(g, w, 1e-14)
 
 
+def test_minus_inf_scores_act_as_masked_keys_in_every_gradient():
+    """Key 2 holds -inf and every row's q has a positive first column: its scores are -inf.
+    The contract: such a key behaves as a masked one. (0 * -inf in dQ, or a -inf put back at
+    a visible key of zero weight, is not the gradient: found by verify against the bundled
+    kernel on the H200.) And a NaN row (row 1, a NaN q) reaches no key it does not see."""
+    rng = np.random.default_rng(11)
+    q, k, v = qkv(rng, 1, 1, 1, 5, 6, 4, 3)
+    dout = rng.standard_normal((1, 1, 5, 3))
+    q[..., 0] = np.abs(q[..., 0]) + 0.1
+    k[0, 0, 2, 0] = -np.inf
+    masked = np.ones((5, 6), bool)
+    masked[:, 2] = False
+    clean_k = np.where(np.isfinite(k), k, 0.0)
+    for fn in (R.attention_backward, R.attention_backward_tiled):
+        for g, w in zip(fn(q, k, v, dout), fn(q, clean_k, v, dout, mask=masked)):
+            assert_same(g, w, 1e-14)
+        q_nan = q.copy()
+        q_nan[0, 0, 1] = np.nan  # row 1 sees keys 0 and 1 (top-left causal)
+        dq, dk, dv = fn(q_nan, clean_k, v, dout, causal="top_left")
+        assert np.isnan(dq[0, 0, 1]).all() and np.isnan(dv[0, 0, :2]).all()
+        assert np.isfinite(dk[0, 0, 2:]).all() and np.isfinite(dv[0, 0, 2:]).all(), fn.__name__
+    v_inf = v.copy()
+    v_inf[0, 0, 2] = np.inf  # the forward likewise: the key's values reach no row
+    for fn in (R.attention, R.attention_tiled):
+        assert_same(fn(q, k, v_inf), fn(q, clean_k, v, mask=masked), 1e-14)
+
+
 def test_a_seen_nan_reaches_the_gradients_it_takes_part_in():
     rng = np.random.default_rng(8)
     q, k, v = qkv(rng, 1, 1, 1, 4, 5, 3, 2)
