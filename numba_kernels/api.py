@@ -24,7 +24,9 @@ NO_DEVICE = ("no CUDA GPU is available. To run the kernel on the CPU, set the en
 
 def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
                     kv_lengths=None, window=None, return_lse=False, num_splits=None, spec=None):
-    """FlashAttention-2 forward on the GPU (or the CUDA simulator), per docs/contract.md.
+    """FlashAttention-2 forward on the GPU (or the CUDA simulator), per docs/contract.md;
+    differentiable for torch tensors (autograd.py: gradients from the backward kernels, one
+    opaque operator under torch.compile).
 
     q (B, Hq, Nq, D), k (B, Hk, Nk, D), v (B, Hk, Nk, Dv): float32, float16 or bfloat16, all one
     dtype, D and Dv <= 256. causal: False, "top_left" or "bottom_right"; mask: boolean,
@@ -43,6 +45,21 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     idle (decoding). spec: a KernelSpec that forces one variant (for benchmarks); by default
     specs.choose_spec picks it.
     """
+    if type(q).__module__.startswith("torch") and spec is None:
+        from . import autograd
+
+        if autograd.wanted(q, k, v):
+            return autograd.attention(q, k, v, scale=scale, causal=causal, mask=mask,
+                                      bias=bias, kv_lengths=kv_lengths, window=window,
+                                      return_lse=return_lse, num_splits=num_splits)
+    return forward(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                   kv_lengths=kv_lengths, window=window, return_lse=return_lse,
+                   num_splits=num_splits, spec=spec)
+
+
+def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
+            window=None, return_lse=False, num_splits=None, spec=None):
+    """flash_attention without autograd: the kernels' launch."""
     if num_splits is not None and (isinstance(num_splits, bool)
                                    or not isinstance(num_splits, (int, np.integer))
                                    or num_splits < 1):

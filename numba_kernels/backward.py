@@ -13,7 +13,7 @@ from .specs import pad
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=False, mask=None,
-                             bias=None, kv_lengths=None, window=None):
+                             bias=None, kv_lengths=None, window=None, dlse=None):
     """(dq, dk, dv): the gradients of the output for incoming gradient dout, per
     docs/contract.md ("Gradients"), in q's dtype and array type.
 
@@ -21,6 +21,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     what flash_attention(..., return_lse=True) returned for them; dout (B, Hq, Nq, Dv) in q's
     dtype. dk and dv of a key head are summed over its group's query heads. Deterministic:
     two calls give bitwise equal gradients (no atomic adds). Arithmetic is float32.
+    dlse: the gradient of lse too, (B, Hq, Nq) float32, where the loss used it: since
+    d lse_i / d s_ij = P_ij, it enters as delta - dlse (dS = P * (dP - delta + dlse)).
     """
     pb, io, _, _ = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
     _check_saved(pb, out, lse, dout)
@@ -42,6 +44,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
         launch(plain_bwd_kernel("delta", width, width, pb.dtype, False), ("delta", pb.dtype),
                (-(-pb.n_q // DELTA_THREADS), bh_q), DELTA_THREADS, io.stream,
                *_ordered(DELTA_ARGS, dict(named, out=io.dev(out))))
+        if dlse is not None:
+            named["delta"] = _minus(io, named["delta"], dlse)
     rows, keys = plain_tiles(width)  # dq: rows a block; dk, dv: keys a block
     key = (width, pb.dtype, has_mask)
     if bh_k * pb.n_k:
@@ -53,6 +57,17 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
                (-(-pb.n_q // rows), bh_q), rows, io.stream,
                *_ordered(DQ_ARGS, dict(named, dq=io.dev(dq))))
     return io.result(dq), io.result(dk), io.result(dv)
+
+
+def _minus(io, delta, dlse):
+    """delta - dlse where delta is: a torch tensor on its stream (in order with the kernels),
+    else a Numba device array (through the host: the NumPy and CuPy paths)."""
+    if hasattr(delta, "sub_"):
+        return delta.sub_(io.torch.as_tensor(dlse, device=delta.device, dtype=delta.dtype))
+    from numba import cuda
+
+    host = np.asarray(dlse.get() if hasattr(dlse, "get") else dlse, np.float32)
+    return cuda.to_device(np.ascontiguousarray(delta.copy_to_host() - host))
 
 
 def _ordered(args, named):

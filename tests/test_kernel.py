@@ -236,13 +236,6 @@ def test_strided_numba_device_array_rejected():
         flash_attention(q, k[:, :, ::2], v[:, :, ::2])
 
 
-def test_torch_cpu_tensor_rejected():
-    torch = pytest.importorskip("torch")
-    q, k, v = (torch.from_numpy(x) for x in inputs(0))
-    with pytest.raises(TypeError, match="q is a CPU tensor"):
-        flash_attention(q, k, v)
-
-
 def test_compile_time_is_recorded_only_when_a_launch_compiles(monkeypatch):
     """launch adds a launch's seconds to COMPILE_SECONDS only when Numba compiled a new
     version of the kernel (its overloads grew); the simulator compiles nothing."""

@@ -1,0 +1,127 @@
+"""flash_attention as one differentiable PyTorch operator.
+
+flash_attention routes torch tensors here when gradients are wanted (an input requires grad
+and grad mode is on), under torch.compile, and for CPU tensors. Two custom operators,
+registered with torch.library so that torch.compile keeps each as one opaque node (it
+traces their shapes through the fake implementations, never into Numba):
+
+    flash_conformance::attention           (q, k, v, options) -> (out, lse)
+    flash_conformance::attention_backward  (q, k, v, out, lse, dout, dlse, options)
+                                           -> (dq, dk, dv)
+
+The forward saves q, k, v, out and lse; the backward runs the backward kernels
+(backward.py). A gradient flowing into lse (return_lse=True, lse used in the loss) is
+folded into delta: dS = P * (dP - (delta - dlse)), since d lse_i / d s_ij = P_ij. mask,
+bias and kv_lengths get no gradient. CPU tensors are copied to the device and back, as
+NumPy arrays are (so the CUDA simulator runs this too).
+"""
+from typing import Optional
+
+import torch
+
+from reference.contract import check_attention_args
+from reference.dtypes import dtype_name, numpy_dtype, torch_dtype
+
+Tensor = torch.Tensor
+
+
+def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
+              window=None, return_lse=False, num_splits=None):
+    """flash_attention's forward through the operator (same arguments and results)."""
+    check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                         kv_lengths=kv_lengths, window=window)  # the contract's errors first
+    mask, bias, kv_lengths = (None if x is None else torch.as_tensor(x, device=q.device)
+                              for x in (mask, bias, kv_lengths))
+    out, lse = torch.ops.flash_conformance.attention(
+        q, k, v, mask, bias, kv_lengths, None if scale is None else float(scale),
+        causal or "", None if window is None else [int(w) for w in window], num_splits)
+    return (out, lse) if return_lse else out
+
+
+def _options(mask, bias, kv_lengths, scale, causal, window, num_splits=None):
+    """The operator's arguments as flash_attention's keywords."""
+    return dict(mask=mask, bias=bias, kv_lengths=kv_lengths, scale=scale,
+                causal=causal or False, window=None if window is None else tuple(window),
+                **({} if num_splits is None else {"num_splits": num_splits}))
+
+
+@torch.library.custom_op("flash_conformance::attention", mutates_args=())
+def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
+               kv_lengths: Optional[Tensor], scale: Optional[float], causal: str,
+               window: Optional[list[int]], num_splits: Optional[int]) -> tuple[Tensor, Tensor]:
+    from .api import forward
+
+    opts = _options(mask, bias, kv_lengths, scale, causal, window, num_splits)
+    return _on_device(forward, (q, k, v), opts, return_lse=True)
+
+
+@_attention.register_fake
+def _(q, k, v, mask, bias, kv_lengths, scale, causal, window, num_splits):
+    b, hq, nq = q.shape[:3]
+    return q.new_empty((b, hq, nq, v.shape[3])), q.new_empty((b, hq, nq), dtype=torch.float32)
+
+
+@torch.library.custom_op("flash_conformance::attention_backward", mutates_args=())
+def _attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        dout: Tensor, dlse: Optional[Tensor], mask: Optional[Tensor],
+                        bias: Optional[Tensor], kv_lengths: Optional[Tensor],
+                        scale: Optional[float], causal: str,
+                        window: Optional[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
+    from .backward import flash_attention_backward
+
+    opts = _options(mask, bias, kv_lengths, scale, causal, window)
+    return _on_device(flash_attention_backward, (q, k, v, out, lse, dout.contiguous()),
+                      dict(opts, dlse=dlse))
+
+
+@_attention_backward.register_fake
+def _(q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, scale, causal, window):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, bias, kv_lengths, scale, causal, window, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, mask, bias, kv_lengths)
+    ctx.options = (scale, causal, window)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, mask, bias, kv_lengths = ctx.saved_tensors
+    dq, dk, dv = _attention_backward(q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths,
+                                     *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _on_device(fn, arrays, options, **kw):
+    """fn(*arrays, **options, **kw) on CUDA tensors as they are; CPU tensors go as NumPy
+    arrays (bfloat16 through ml_dtypes) and come back as tensors."""
+    if arrays[0].is_cuda:
+        return fn(*arrays, **options, **kw)
+    to_np = {name: _numpy(x) for name, x in options.items() if isinstance(x, Tensor)}
+    result = fn(*(_numpy(x) for x in arrays), **dict(options, **to_np), **kw)
+    return tuple(_tensor(x) for x in result)
+
+
+def _numpy(x):
+    x = x.detach().contiguous()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
+    return x.numpy()
+
+
+def _tensor(x):
+    name = dtype_name(x)
+    if name == "bfloat16":
+        return torch.from_numpy(x.view("int16").copy()).view(torch_dtype(name))
+    return torch.from_numpy(x.copy())
+
+
+def wanted(q, k, v):
+    """Whether a torch call goes through the operator: gradients wanted, torch.compile
+    tracing, or CPU tensors."""
+    return (q.device.type == "cpu" or torch.compiler.is_compiling()
+            or (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))))

@@ -1,0 +1,80 @@
+"""numba_kernels.flash_attention differentiable for torch tensors (numba_kernels/autograd.py),
+in the CUDA simulator with CPU tensors: gradients of out and of lse against float64 torch
+autograd, one opaque operator under torch.compile, and the contract's errors."""
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from numba_kernels import flash_attention  # noqa: E402
+
+
+def torch_attention(q, k, v, scale, mask):
+    """out and lse by torch's own float64 ops: what autograd differentiates for the truth."""
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+CASES = {  # name: (B, Hq, Hk, Nq, Nk, D, Dv), options, the mask those options mean
+    "causal bottom_right": ((1, 2, 2, 5, 7, 8, 8), dict(causal="bottom_right"),
+                            lambda nq, nk: torch.ones(nq, nk, dtype=torch.bool).tril(nk - nq)),
+    "GQA, Dv != D, mask": ((2, 4, 2, 6, 5, 8, 4), "mask", None),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradients_of_out_and_lse_match_float64_autograd(name):
+    shape, options, band = CASES[name]
+    B, Hq, Hk, Nq, Nk, D, Dv = shape
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(*s, generator=g).requires_grad_()
+               for s in ((B, Hq, Nq, D), (B, Hk, Nk, D), (B, Hk, Nk, Dv)))
+    if options == "mask":
+        mask = torch.rand(B, 1, Nq, Nk, generator=g) < 0.7
+        mask[..., 0] = True  # every row sees a key
+        options = dict(mask=mask)
+    else:
+        mask = band(Nq, Nk)
+    out, lse = flash_attention(q, k, v, return_lse=True, **options)
+    dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    ((out * dout).sum() + (lse * dlse).sum()).backward()
+
+    group = Hq // Hk
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    out64, lse64 = torch_attention(q64, k64.repeat_interleave(group, 1),
+                                   v64.repeat_interleave(group, 1), D ** -0.5, mask)
+    ((out64 * dout.double()).sum() + (lse64 * dlse.double()).sum()).backward()
+    for got, want, what in ((out, out64, "out"), (lse, lse64, "lse"), (q.grad, q64.grad, "dq"),
+                            (k.grad, k64.grad, "dk"), (v.grad, v64.grad, "dv")):
+        err = float((got.detach().double() - want.detach()).abs().max())
+        assert err < 2e-6, f"{what}: {err}"
+
+
+def test_one_opaque_operator_under_torch_compile():
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    q, k, v = (torch.randn(1, 1, 4, 8, requires_grad=True) for _ in range(3))
+    loss = torch.compile(lambda q, k, v: flash_attention(q, k, v).sum(), backend=record,
+                         fullgraph=True)(q, k, v)
+    loss.backward()
+    assert any("flash_conformance.attention" in t for t in graphs[0]), graphs
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_cpu_tensors_without_gradients_match_numpy():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g).to(torch.bfloat16) for _ in range(3))
+    got = flash_attention(q, k, v, causal="top_left")
+    want = flash_attention(*(x.float().numpy() for x in (q, k, v)), causal="top_left")
+    assert got.dtype == torch.bfloat16 and float((got.float() - torch.from_numpy(want))
+                                                 .abs().max()) < 1e-2
+
+
+def test_contract_errors_come_first():
+    q = torch.randn(1, 1, 4, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="top_left"):
+        flash_attention(q, q, q, causal=True)
