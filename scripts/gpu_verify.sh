@@ -10,6 +10,14 @@ OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX would take 75% of the GPU's memory at start
+# The logs and certificates are packed into $OUT/results.tgz at the end, also when the run is
+# stopped (SIGTERM, SIGINT): a machine that returns a limited number of files gets them all.
+pack() {
+  tar czf /tmp/results.tgz -C "$OUT" . && mv /tmp/results.tgz "$OUT/" \
+    && find "$OUT" -type f ! -name results.tgz -delete
+}
+trap pack EXIT
+trap 'exit 143' TERM INT
 STEPS=${STEPS:-ab check verify broken findings scale}
 IMPLS=${IMPLS:-numba torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
 SCALE_IMPLS=${SCALE_IMPLS:-numba torch-efficient}
@@ -87,4 +95,3 @@ if step scale; then
     grep -E "^scale: |passed, " "$OUT/scale-$impl.log" | head -8
   done
 fi
-tar czf /tmp/results.tgz -C "$OUT" . && mv /tmp/results.tgz "$OUT/" && find "$OUT" -type f ! -name results.tgz -delete
