@@ -58,6 +58,7 @@ def _grads(bug, pb, qf, kf, vf, dof, keep, bias):
     """dq (B, Hq, Nq, D), and dk, dv per query head (B, Hq, Nk, .) before the group sum."""
     scale = np.float32(pb.scale)
     s = np.where(keep, qf @ np.swapaxes(kf, -1, -2) * scale + bias, -np.inf)
+    keep = s != -np.inf  # the contract: a score of -inf, however it arose, hides the key
     m = s.max(-1, keepdims=True)
     m = np.where(m == -np.inf, 0, m)
     e = np.exp(s - m)
@@ -65,7 +66,7 @@ def _grads(bug, pb, qf, kf, vf, dof, keep, bias):
     lse = np.where(l == 0, -np.inf, m + np.log(l))  # what the forward saved
     if bug == "p-without-scale":  # P recomputed from raw scores
         s = np.where(keep, qf @ np.swapaxes(kf, -1, -2) + bias, -np.inf)
-    p = np.where(lse == -np.inf, 0, np.exp(s - lse))
+    p = np.where(keep, np.exp(s - lse), 0)  # a NaN row's P reaches none of its hidden keys
     out = weighted_values(p, keep, vf, np)
     dp = dof @ np.swapaxes(vf, -1, -2)
     if bug != "ds-not-masked":
