@@ -3,11 +3,10 @@
     python benchmarks/backward_speed.py [--out DIR] [--n 1024,2048,...] [--dtypes ...]
                                         [--budget-s 480]
 
-On the same inputs, in one run: `numba_kernels.flash_attention` differentiated through torch
-autograd (its forward, then the backward kernels), and torch SDPA forced to each backend.
-For each, the forward plus backward of loss = sum(out * dout) (one call of
-torch.autograd.grad after the forward), and the backward alone (the forward kept, its graph
-retained). Shapes (B, H, N, D) = (4, 16, N, 64) and (2, 16, N, 128), causal and not.
+On the same inputs, in one run: the Numba forward with each backward kernel (numba-plain,
+numba-tuned: flash_attention_backward(kernel=)), and torch SDPA forced to each backend
+through autograd. For each, the forward plus backward of loss = sum(out * dout), and the
+backward alone (the forward's results kept). Shapes (B, H, N, D) = (4, 16, N, 64) and (2, 16, N, 128), causal and not.
 CUDA events, median of repeats (benchmarks/attention_speed.py's time_ms). FLOPs: the forward
 4 B H N^2 D, the backward 2.5 times that, halved for causal. Peak extra memory per call.
 Writes DIR/backward_speed.json; prints a table.
@@ -23,15 +22,30 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from attention_speed import BACKENDS, DTYPES, measure, sdpa  # noqa: E402
 
-from numba_kernels import flash_attention  # noqa: E402
+from numba_kernels import flash_attention, flash_attention_backward  # noqa: E402
 
 BACKWARD_FLOPS = 2.5  # times the forward's
 
 
-def forward_fn(name, q, k, v, causal):
-    if name == "numba":
-        return lambda: flash_attention(q, k, v, causal="top_left" if causal else False)
-    return sdpa(BACKENDS[name], q, k, v, causal)
+def calls(name, q, k, v, dout, causal):
+    """(forward plus backward, backward alone) of implementation `name`: numba-plain and
+    numba-tuned call the kernels directly (flash_attention_backward's kernel=), the SDPA
+    backends go through autograd (their backward follows the forward's kernel)."""
+    if name.startswith("numba-"):
+        kernel, opts = name.split("-")[1], dict(causal="top_left" if causal else False)
+        qd, kd, vd = (x.detach() for x in (q, k, v))
+        out, lse = flash_attention(qd, kd, vd, return_lse=True, **opts)
+
+        def both():
+            o, s = flash_attention(qd, kd, vd, return_lse=True, **opts)
+            return flash_attention_backward(qd, kd, vd, o, s, dout, kernel=kernel, **opts)
+
+        return both, lambda: flash_attention_backward(qd, kd, vd, out, lse, dout,
+                                                      kernel=kernel, **opts)
+    forward = sdpa(BACKENDS[name], q, k, v, causal)
+    kept = forward()
+    return (lambda: torch.autograd.grad(forward(), (q, k, v), dout),
+            lambda: torch.autograd.grad(kept, (q, k, v), dout, retain_graph=True))
 
 
 def run_shape(rows, name, dtype, B, H, N, D, causal):
@@ -39,18 +53,11 @@ def run_shape(rows, name, dtype, B, H, N, D, causal):
     q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=t, requires_grad=True)
                for _ in range(3))
     dout = torch.randn(B, H, N, D, device="cuda", dtype=t)
-    forward = forward_fn(name, q, k, v, causal)  # SDPA's backward follows its forward's kernel
-
-    def both():
-        return torch.autograd.grad(forward(), (q, k, v), dout)
-
-    kept = {}
-
-    def backward():
-        if "out" not in kept:
-            kept["out"] = forward()
-        return torch.autograd.grad(kept["out"], (q, k, v), dout, retain_graph=True)
-
+    try:
+        both, backward = calls(name, q, k, v, dout, causal)
+    except (RuntimeError, ValueError) as e:  # a backend refuses the shape, or memory
+        print(f"{name:12s} {dtype:8s} N={N:5d} D={D:3d} causal={causal!s:5s} {e}"[:160])
+        return
     flops = 4 * B * H * N * N * D / (2 if causal else 1)
     for what, fn, work in (("fwd+bwd", both, 1 + BACKWARD_FLOPS),
                            ("bwd", backward, BACKWARD_FLOPS)):
@@ -61,7 +68,6 @@ def run_shape(rows, name, dtype, B, H, N, D, causal):
         fig = f"{ms:9.3f} ms {tf:7.2f} TF/s {mem / 2**20:9.0f} MiB" if ms else f"  {err}"
         print(f"{name:10s} {what:8s} {dtype:8s} B={B} H={H} N={N:5d} D={D:3d} "
               f"causal={causal!s:5s} {fig}", flush=True)
-    kept.clear()
 
 
 def main():
@@ -69,7 +75,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--n", default="1024,2048,4096,8192")
     ap.add_argument("--dtypes", default="float32,float16,bfloat16")
-    ap.add_argument("--impls", default="numba,flash,efficient,cudnn,math")
+    ap.add_argument("--impls", default="numba-plain,numba-tuned,flash,efficient,cudnn,math")
     ap.add_argument("--budget-s", type=float, default=480, help="stop starting shapes after")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)

@@ -5,7 +5,7 @@
 Runs on NVIDIA GPUs and, unchanged, in Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1).
 Read plain_fwd.py (one thread per query row, the textbook kernel) beside reference/tiled.py,
 then flash_fwd.py (the same algorithm, tuned). The backward: plain_bwd.py beside
-reference/tiled_backward.py.
+reference/tiled_backward.py, then flash_bwd.py (tuned: flash_attention_backward(kernel="tuned")).
 """
 from .api import flash_attention, plain_attention
 from .backward import flash_attention_backward

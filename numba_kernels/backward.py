@@ -9,11 +9,13 @@ from .flash_fwd import kernel_args
 from .launch import launch
 from .plain_bwd import (DELTA_ARGS, DELTA_THREADS, DKDV_ARGS, DQ_ARGS, plain_bwd_kernel)
 from .plain_fwd import plain_tiles
-from .specs import pad
+from .flash_bwd import BwdSpec
+from .specs import pad, tuned_bwd_kernel
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=False, mask=None,
-                             bias=None, kv_lengths=None, window=None, dlse=None):
+                             bias=None, kv_lengths=None, window=None, dlse=None,
+                             kernel="plain"):
     """(dq, dk, dv): the gradients of the output for incoming gradient dout, per
     docs/contract.md ("Gradients"), in q's dtype and array type.
 
@@ -23,7 +25,11 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     two calls give bitwise equal gradients (no atomic adds). Arithmetic is float32.
     dlse: the gradient of lse too, (B, Hq, Nq) float32, where the loss used it: since
     d lse_i / d s_ij = P_ij, it enters as delta - dlse (dS = P * (dP - delta + dlse)).
+    kernel: "plain" (plain_bwd.py, one thread per key or row) or "tuned" (flash_bwd.py,
+    register micro-tiles; not yet the default: it has not run on a GPU).
     """
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
     pb, io, _, _ = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
     _check_saved(pb, out, lse, dout)
     dq = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.d), pb.dtype)
@@ -39,24 +45,46 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
                  delta=io.empty((pb.batch, pb.heads_q, pb.n_q), "float32"), n_q=pb.n_q,
                  group=pb.group, scale=np.float32(pb.scale), **_band(pb), **steps)
     named["delta"] = io.dev(named["delta"])
-    bh_q, bh_k = pb.batch * pb.heads_q, pb.batch * pb.heads_k
+    bh_q = pb.batch * pb.heads_q
     if bh_q * pb.n_q:
         launch(plain_bwd_kernel("delta", width, width, pb.dtype, False), ("delta", pb.dtype),
                (-(-pb.n_q // DELTA_THREADS), bh_q), DELTA_THREADS, io.stream,
                *_ordered(DELTA_ARGS, dict(named, out=io.dev(out))))
         if dlse is not None:
             named["delta"] = _minus(io, named["delta"], dlse)
-    rows, keys = plain_tiles(width)  # dq: rows a block; dk, dv: keys a block
-    key = (width, pb.dtype, has_mask)
-    if bh_k * pb.n_k:
-        launch(plain_bwd_kernel("dkdv", width, width, pb.dtype, has_mask), ("dkdv",) + key,
-               (-(-pb.n_k // rows), bh_k), rows, io.stream,
-               *_ordered(DKDV_ARGS, dict(named, dk=io.dev(dk), dv=io.dev(dv))))
-    if bh_q * pb.n_q:
-        launch(plain_bwd_kernel("dq", width, width, pb.dtype, has_mask), ("dq",) + key,
-               (-(-pb.n_q // rows), bh_q), rows, io.stream,
-               *_ordered(DQ_ARGS, dict(named, dq=io.dev(dq))))
+    KERNELS[kernel](pb, io, named, dict(dq=io.dev(dq), dk=io.dev(dk), dv=io.dev(dv)),
+                    width, has_mask)
     return io.result(dq), io.result(dk), io.result(dv)
+
+
+def _plain(pb, io, named, grads, width, has_mask):
+    """The plain dK/dV and dQ kernels (plain_bwd.py): one thread per key, one per row."""
+    rows, _ = plain_tiles(width)  # rows (dq) or keys (dk, dv) a block, one thread each
+    key = (width, pb.dtype, has_mask)
+    if pb.batch * pb.heads_k * pb.n_k:
+        launch(plain_bwd_kernel("dkdv", width, width, pb.dtype, has_mask), ("dkdv",) + key,
+               (-(-pb.n_k // rows), pb.batch * pb.heads_k), rows, io.stream,
+               *_ordered(DKDV_ARGS, dict(named, dk=grads["dk"], dv=grads["dv"])))
+    if pb.batch * pb.heads_q * pb.n_q:
+        launch(plain_bwd_kernel("dq", width, width, pb.dtype, has_mask), ("dq",) + key,
+               (-(-pb.n_q // rows), pb.batch * pb.heads_q), rows, io.stream,
+               *_ordered(DQ_ARGS, dict(named, dq=grads["dq"])))
+
+
+def _tuned(pb, io, named, grads, width, has_mask):
+    """The tuned dK/dV and dQ kernels (flash_bwd.py): register micro-tiles."""
+    for part, n, heads, args, out in (("dkdv", pb.n_k, pb.heads_k, DKDV_ARGS, ("dk", "dv")),
+                                      ("dq", pb.n_q, pb.heads_q, DQ_ARGS, ("dq",))):
+        spec = BwdSpec(part, width, width, pb.dtype, has_mask)
+        block_m, block_n, threads_m, threads_n = spec.tiles
+        rows = block_n if part == "dkdv" else block_m
+        if pb.batch * heads * n:
+            launch(tuned_bwd_kernel(spec), spec, (-(-n // rows), pb.batch * heads),
+                   threads_m * threads_n, io.stream,
+                   *_ordered(args, dict(named, **{g: grads[g] for g in out})))
+
+
+KERNELS = {"plain": _plain, "tuned": _tuned}
 
 
 def _minus(io, delta, dlse):

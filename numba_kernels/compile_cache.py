@@ -36,9 +36,10 @@ from .convert import SIMULATOR
 
 # Every file a compiled kernel is made from (what specs.py and the kernels import). A module
 # that a kernel comes to import must be added here (tests/test_compile_cache.py checks).
-SOURCES = ("numba_kernels/flash_fwd.py", "numba_kernels/plain_fwd.py",
-           "numba_kernels/plain_bwd.py", "numba_kernels/convert.py", "numba_kernels/specs.py",
-           "numba_kernels/split_kv.py", "numba_kernels/numba_internals.py",
+SOURCES = ("numba_kernels/flash_fwd.py", "numba_kernels/flash_bwd.py",
+           "numba_kernels/plain_fwd.py", "numba_kernels/plain_bwd.py", "numba_kernels/convert.py",
+           "numba_kernels/specs.py", "numba_kernels/split_kv.py",
+           "numba_kernels/numba_internals.py",
            "numba_kernels/compile_cache.py", "reference/contract.py", "reference/_xp.py",
            "reference/dtypes.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -2,8 +2,8 @@
 
     python -m numba_kernels.ptx_report [--cc 9.0] [--jobs 2] [--json PATH] [--no-cache]
 
-For each variant of the tuned kernel, the split-KV merge kernel of each dtype, and the plain
-kernels (plain_fwd.py and the backward's plain_bwd.py), with the argument types every launch
+For each variant of the tuned kernel, the split-KV merge kernel of each dtype, the plain
+kernels (plain_fwd.py and the backward's plain_bwd.py) and the tuned backward (flash_bwd.py), with the argument types every launch
 passes (C-contiguous arrays: api.py makes strided inputs contiguous): numba.cuda.compile_ptx
 for the compute capability, then `ptxas -v`, which reports registers, spills, stack frame and
 shared memory. A variant fails when it spills, needs a stack frame (arrays that fell out of
@@ -142,6 +142,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         sys.exit("unset NUMBA_ENABLE_CUDASIM: the simulator cannot compile PTX")
+    from numba_kernels.flash_bwd import bwd_specs
     from numba_kernels.plain_bwd import plain_bwd_specs
     from numba_kernels.plain_fwd import plain_specs
     from numba_kernels.specs import DTYPES, shipped_specs
@@ -149,7 +150,7 @@ def main(argv=None):
     cc = tuple(int(x) for x in a.cc.split("."))
     ptxas = find_ptxas()
     # the kernel variants, the merge kernels, the plain kernels (local memory allowed)
-    specs = shipped_specs() + list(DTYPES) + plain_specs() + plain_bwd_specs()
+    specs = shipped_specs() + list(DTYPES) + plain_specs() + plain_bwd_specs() + bwd_specs()
     folder = None if a.no_cache else CACHE
     digest = dependencies_digest(ptxas) if folder else None
     print(f"compiling {len(specs)} kernels for sm_{cc[0]}{cc[1]} with {ptxas}"

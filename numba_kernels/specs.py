@@ -11,8 +11,10 @@ from numba.types import UniTuple, float16
 from reference.dtypes import KERNEL_DTYPES
 from .compile_cache import jit
 from .convert import CONVERTERS
+from .flash_bwd import BwdSpec, bwd_kernel_source
 from .flash_fwd import ARGS, FASTMATH, KernelSpec, kernel_source
-from .plain_bwd import DELTA_ARGS, DKDV_ARGS, DQ_ARGS, PlainBwdSpec, bwd_kernel_source
+from .plain_bwd import DELTA_ARGS, DKDV_ARGS, DQ_ARGS, PlainBwdSpec
+from .plain_bwd import bwd_kernel_source as plain_bwd_source
 from .plain_fwd import PLAIN_ARGS, PlainSpec, plain_kernel_source
 from .split_kv import merge_source
 
@@ -119,6 +121,12 @@ def plain_bwd_signature(spec):
     return arg_types(args, elem, elem)
 
 
+def tuned_bwd_signature(spec):
+    """Argument types of a tuned backward kernel (flash_bwd.py), C-contiguous arrays."""
+    elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
+    return arg_types(DKDV_ARGS if spec.part == "dkdv" else DQ_ARGS, elem, elem)
+
+
 def merge_signature(dtype):
     out4 = _NUMBA_TYPES[CONVERTERS[dtype][2]][:, :, :, ::1]
     return (float32[:, :, :, ::1], float32[:, :, ::1], out4, float32[:, :, ::1], int64)
@@ -131,6 +139,12 @@ def build_kernel(spec):
     for the process: one for C-contiguous arrays (torch and CuPy inputs are made contiguous:
     api.py), one more if other strided device arrays come."""
     return jit(kernel_source(spec), spec, FASTMATH)
+
+
+@lru_cache(maxsize=None)
+def tuned_bwd_kernel(spec):
+    """The tuned backward kernel of BwdSpec `spec` (flash_bwd.py)."""
+    return jit(bwd_kernel_source(spec), spec, FASTMATH)
 
 
 @lru_cache(maxsize=None)
@@ -159,8 +173,10 @@ def compile_ptx(spec, cc=(9, 0)):
         fn = plain_kernel_source(spec.width, spec.width, spec.dtype, spec.has_mask)
         sig = plain_signature(spec)
     elif isinstance(spec, PlainBwdSpec):
-        fn = bwd_kernel_source(spec.part, spec.width, spec.width, spec.dtype, spec.has_mask)
+        fn = plain_bwd_source(spec.part, spec.width, spec.width, spec.dtype, spec.has_mask)
         sig = plain_bwd_signature(spec)
+    elif isinstance(spec, BwdSpec):
+        fn, sig = bwd_kernel_source(spec), tuned_bwd_signature(spec)
     else:
         fn, sig = kernel_source(spec), signature(spec)
     return cuda.compile_ptx(fn, sig, cc=cc, fastmath=FASTMATH)[0]

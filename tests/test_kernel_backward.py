@@ -1,5 +1,6 @@
-"""The Numba backward kernels (numba_kernels/plain_bwd.py) certified by verify's backward cases
-in the CUDA simulator: tile-edge cases, and the cases where backward kernels break. The
+"""The Numba backward kernels (numba_kernels/plain_bwd.py, and the tuned flash_bwd.py)
+certified by verify's backward cases in the CUDA simulator: tile-edge cases, and the cases
+where backward kernels break. The
 simulator runs a Python thread per CUDA thread, so these are chosen to take about a minute
 of CPU; scripts/gpu_verify.sh runs the whole backward suite on a GPU."""
 from dataclasses import replace
@@ -18,9 +19,15 @@ HARD = ("backward: N = 5", "backward: dout strided", "bias + mask + kv_lengths",
         "k:nan in keys some rows see")
 
 
+def numba_with(kernel):
+    """verify's numba adapter with its gradients from flash_attention_backward(kernel=)."""
+    return verify.builtin("numba" if kernel == "plain" else f"numba-{kernel}-backward")
+
+
 @pytest.mark.long
+@pytest.mark.parametrize("kernel", ["plain", "tuned"])
 @pytest.mark.parametrize("which", ["edges", "hard"])
-def test_backward_kernels_pass_verify(which):
+def test_backward_kernels_pass_verify(which, kernel):
     if which == "edges":
         cases = [replace(c, backward=True) for c in edge_cases()
                  if c.name.startswith(tuple(f"edge: {e}" for e in EDGES))]
@@ -31,18 +38,18 @@ def test_backward_kernels_pass_verify(which):
         assert len(cases) >= len(HARD)
         cases.append(Case("GQA 2:1 with a mask, twice", B=1, Hq=4, Hk=2, Nq=17, Nk=20, D=16,
                           Dv=16, dtype="float32", mask="random", repeat=True, backward=True))
-    report = verify.compare("numba", backward=True, cases=list(zip(cases, range(len(cases)))),
-                            progress=False)
+    report = verify.compare(numba_with(kernel), backward=True,
+                            cases=list(zip(cases, range(len(cases)))), progress=False)
     assert report.passed, str(report)
     assert all(r.verdict == "pass" for r in report.cases), str(report)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16"])
-def test_backward_kernels_low_precision(dtype):
+@pytest.mark.parametrize("kernel, dtype", [("plain", "bfloat16"), ("tuned", "float16")])
+def test_backward_kernels_low_precision(kernel, dtype):
     cases = [c for c in backward_battery("quick", (dtype,))
              if c.name.startswith("mask random")]
-    report = verify.compare("numba", backward=True, cases=list(zip(cases, range(9))),
-                            progress=False)
+    report = verify.compare(numba_with(kernel), backward=True,
+                            cases=list(zip(cases, range(9))), progress=False)
     assert report.passed and len(report.cases) == 1, str(report)
 
 
@@ -56,3 +63,5 @@ def test_backward_argument_errors():
         flash_attention_backward(q, k, v, out, lse, out.astype(np.float64))
     with pytest.raises(ValueError, match=r"out must have shape \(B, Hq, Nq, Dv\)"):
         flash_attention_backward(q, k, v, out[:, :1], lse, out)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        flash_attention_backward(q, k, v, out, lse, out, kernel="fast")

@@ -5,7 +5,8 @@ options (scale, causal, mask, bias, kv_lengths, window), and returns out; when S
 claimed it is also called with return_lse=True and must then return (out, lse). Supports says
 what it claims; cases that need anything else are reported "not claimed", not failed.
 
-Built-in adapters (imported lazily, by name): reference, numba, numba-plain, torch-math,
+Built-in adapters (imported lazily, by name): reference, numba, numba-plain,
+numba-tuned-backward (numba's forward, gradients from numba_kernels/flash_bwd.py), torch-math,
 torch-efficient, torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn. Each states the
 conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
 causal_lower_right), flash-attn's causal is bottom-right; neither returns lse from these
@@ -127,6 +128,7 @@ class Implementation:
 def builtin(name):
     """A built-in adapter by name (see the module docstring)."""
     factories = {"reference": _reference, "numba": _numba, "numba-plain": lambda: _numba(True),
+                 "numba-tuned-backward": lambda: _numba(backward="tuned"),
                  "flash-attn": _flash_attn}
     for backend in ("math", "efficient", "flash", "cudnn"):
         factories[f"torch-{backend}"] = lambda b=backend: _torch_sdpa(b)
@@ -173,8 +175,9 @@ def _reference():
                           version="float64, flash-conformance", grad=grad)
 
 
-def _numba(plain=False):
-    """Our tuned kernel, or (plain) the plain one of numba_kernels/plain_fwd.py."""
+def _numba(plain=False, backward="plain"):
+    """Our tuned kernel, or (plain) the plain one of numba_kernels/plain_fwd.py; gradients
+    from the backward kernels `backward` (flash_attention_backward's kernel=)."""
     from numba_kernels import (compile_times, flash_attention, flash_attention_backward,
                                plain_attention)
     from numba_kernels.convert import SIMULATOR
@@ -186,7 +189,7 @@ def _numba(plain=False):
 
     def grad(q, k, v, dout, **options):  # the plain backward kernels (plain_bwd.py)
         out, lse = attention(q, k, v, return_lse=True, **options)
-        return flash_attention_backward(q, k, v, out, lse, dout, **options)
+        return flash_attention_backward(q, k, v, out, lse, dout, kernel=backward, **options)
 
     def costs():
         times = compile_times()
@@ -199,7 +202,9 @@ def _numba(plain=False):
     # On a GPU the number of key splits (split_kv.py) depends on the grid, so one (batch,
     # head) alone may be split where the batch is not: equal within the bound, not bitwise.
     # The plain kernel never splits.
-    return Implementation("numba-plain" if plain else "numba", fn,
+    name = "numba-plain" if plain else "numba" if backward == "plain" else \
+        f"numba-{backward}-backward"
+    return Implementation(name, fn,
                           Supports(batch_invariant=plain or not on_gpu, backward=True),
                           array="torch" if on_gpu else "numpy",
                           device="cuda" if on_gpu else "cpu",

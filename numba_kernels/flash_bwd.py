@@ -1,0 +1,433 @@
+"""The tuned FlashAttention-2 backward: register micro-tiles over shared-memory tiles.
+
+Read it beside reference/tiled_backward.py and plain_bwd.py (the same algorithm, one thread per
+key or row). Two kernels after plain_bwd's delta kernel (delta = rowsum(dO * O)):
+
+    dkdv  one block per (BLOCK_N keys, batch, key head); K and V stay in shared memory while
+          the block walks every query tile of the group's query heads:
+              load Q, dO, lse, delta       the query tile
+              S^T = K Q^T, dP^T = V dO^T   two micro-tiles (forward's `scores`, roles swapped)
+              P^T, dS^T                    P = exp2(S * qk_scale - lse), dS = P (dP - delta),
+                                           0 where the row does not see the key; to shared
+              dV += P^T dO, dK += dS^T Q   register accumulators (forward's `pv`)
+          then dK * scale and dV are stored: a key head's sums over its group are made in one
+          block, in a fixed order (deterministic).
+    dq    one block per (BLOCK_M query rows, batch, head), as the forward: Q and dO loaded
+          once, then every key tile the rows see:
+              load K, V                    the key tile
+              S = Q K^T, dP = dO V^T       micro-tiles
+              dS                           to shared
+              dQ += dS K                   register accumulator
+          then dQ * scale is stored. No atomic adds: two runs are bitwise equal.
+
+Thread map (both kernels): THREADS = THREADS_M * THREADS_N threads, thread (ty, tx) =
+(tid // THREADS_N, tid % THREADS_N). In dkdv, ty walks keys (TK = BLOCK_N / THREADS_M of
+them) and tx query rows (TQ = BLOCK_M / THREADS_N) in S^T, and output columns (TD = D /
+THREADS_N, TDV = DV / THREADS_N) in dK and dV. In dq, ty walks rows (TQ = BLOCK_M /
+THREADS_M) and tx keys (TK = BLOCK_N / THREADS_N), and columns of dQ (TD = D / THREADS_N).
+
+Shared memory, one float32 array `words`, every tile row-major with widths of a multiple of
+4 plus 4 (16-byte aligned rows for the 128-bit loads, rows in different banks):
+    dkdv: K (BLOCK_N, D + 4), V (BLOCK_N, DV + 4), Q (BLOCK_M, D + 4), dO (BLOCK_M, DV + 4),
+          P^T and dS^T (BLOCK_N, BLOCK_M + 4), lse (log2 units) and delta (BLOCK_M)
+    dq:   Q (BLOCK_M, D + 4), dO (BLOCK_M, DV + 4), K (BLOCK_N, D + 4), V (BLOCK_N, DV + 4),
+          dS (BLOCK_M, BLOCK_N + 4)
+A tile holding a NaN or an inf takes a slower product that adds only the pairs each row sees
+(0 * NaN is NaN): hidden keys' values and the dO of rows that see no key reach nothing.
+"""
+import math
+from dataclasses import dataclass
+
+from numba import cuda, float32, int64, uint64
+
+from .convert import CONVERTERS
+from .flash_fwd import (STATIC_SHARED_LIMIT, VEC, check_parameters, key_range_device,
+                        kernel_part, make_masked_score, make_pv, make_scores, tile_loader)
+from .plain_bwd import DKDV_ARGS, DQ_ARGS
+
+NEG_INF, ZERO = float32(-math.inf), float32(0.0)
+LOG2E = float32(1.4426950408889634)
+
+# padded width -> (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N): the largest square tiles whose
+# shared tiles fit 48 KB in both kernels, 64 threads.
+TILES = {64: (32, 32, 8, 8), 128: (16, 16, 8, 8), 256: (8, 8, 8, 8)}
+
+
+@dataclass(frozen=True)
+class BwdSpec:
+    """One compiled variant of a tuned backward kernel."""
+
+    part: str  # "dkdv" or "dq"
+    d: int  # head dims, padded (specs.HEAD_DIMS)
+    dv: int
+    dtype: str
+    has_mask: bool
+
+    @property
+    def tiles(self):
+        return TILES[next(w for w in TILES if w >= max(self.d, self.dv))]
+
+    @property
+    def widths(self):
+        """Row widths of the K, V, Q, dO tiles and of the P / dS tiles, in words."""
+        block_m, block_n = self.tiles[:2]
+        pw = block_m + VEC if self.part == "dkdv" else block_n + VEC
+        return self.d + VEC, self.dv + VEC, self.d + VEC, self.dv + VEC, pw
+
+    @property
+    def offsets(self):
+        """Where K, V, Q, dO, P (dkdv: P^T; dq: unused), dS, lse, delta start, and the end."""
+        block_m, block_n = self.tiles[:2]
+        k_w, v_w, q_w, do_w, p_w = self.widths
+        p_rows = block_n if self.part == "dkdv" else block_m
+        at = [0]
+        for words in (block_n * k_w, block_n * v_w, block_m * q_w, block_m * do_w,
+                      p_rows * p_w if self.part == "dkdv" else 0, p_rows * p_w, block_m,
+                      block_m):
+            at.append(at[-1] + words)
+        return tuple(at)
+
+    def check(self):
+        block_m, block_n, threads_m, threads_n = self.tiles
+        threads = threads_m * threads_n
+        rows_a, rows_b = (block_n, block_m) if self.part == "dkdv" else (block_m, block_n)
+        ok = (4 * self.offsets[-1] <= STATIC_SHARED_LIMIT and rows_a % threads_m == 0
+              and rows_b % threads_n == 0 and self.d % threads_n == 0
+              and self.dv % threads_n == 0 and all(a % VEC == 0 for a in self.offsets)
+              and all(n * w % threads == 0 for n in (block_m, block_n)
+                      for w in (self.d, self.dv)))
+        if not ok:
+            raise ValueError(f"inconsistent backward kernel spec {self}")
+        return self
+
+
+def _z(spec):
+    """Compile-time sizes, by the names the device functions use."""
+    spec.check()
+    block_m, block_n, threads_m, threads_n = spec.tiles
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, THREADS_M=threads_m, THREADS_N=threads_n,
+                THREADS=threads_m * threads_n, D=spec.d, DV=spec.dv, WIDTHS=spec.widths,
+                OFFSETS=tuple(uint64(a) for a in spec.offsets), HAS_MASK=spec.has_mask,
+                SHARED_WORDS=spec.offsets[-1])
+
+
+def scores_sizes(z, tm, tn, a_at, a_w, b_at, b_w):
+    """The sizes flash_fwd's `scores` reads, for S = A B^T with A at a_at (width a_w, tm rows
+    a thread, THREADS_M apart) and B at b_at (width b_w, tn rows a thread, THREADS_N apart)."""
+    return dict(TM=tm, TN=tn, THREADS_M=z["THREADS_M"], THREADS_N=z["THREADS_N"],
+                WIDTHS=(a_w, b_w), OFFSETS=(a_at, b_at))
+
+
+def pv_sizes(z, tm, cols, n_reduce, p_at, p_w, v_at, v_w):
+    """The sizes flash_fwd's `pv` reads, for acc += P V with P at p_at (width p_w, tm rows a
+    thread), V at v_at (width v_w), cols output columns over THREADS_N threads, and a
+    reduction over n_reduce rows of V."""
+    tv = cols // z["THREADS_N"]
+    return dict(TM=tm, TV=tv, V_GROUP=VEC if tv % VEC == 0 else 1, BLOCK_N=n_reduce,
+                THREADS_M=z["THREADS_M"], THREADS_N=z["THREADS_N"], WIDTHS=(0, 0, v_w, p_w),
+                OFFSETS=(uint64(0), v_at, p_at))
+
+
+@kernel_part
+def load_row_stats(words, lse_in, delta, b, h, start_m, n_q, lse_at, delta_at, block_m):
+    """The query tile's lse (log2 units) and delta into shared memory; rows past n_q: 0."""
+    r = cuda.threadIdx.x
+    if r < block_m:
+        ok = start_m + r < n_q
+        words[lse_at + uint64(r)] = lse_in[b, h, start_m + r] * LOG2E if ok else ZERO
+        words[delta_at + uint64(r)] = delta[b, h, start_m + r] if ok else ZERO
+
+
+def make_kv_probabilities(z, masked_score):
+    """probabilities(...): for the thread's TK keys and TQ rows of S^T and dP^T, P^T =
+    exp2(S * qk_scale (+ bias) - lse) and dS^T = P (dP - delta) into shared memory, both 0
+    where the row does not see the key (selected: a hidden key's NaN must vanish)."""
+    TK, TQ = z["BLOCK_N"] // z["THREADS_M"], z["BLOCK_M"] // z["THREADS_N"]
+    THREADS_M, THREADS_N = z["THREADS_M"], z["THREADS_N"]
+    P_W = z["WIDTHS"][4]
+    P_AT, DS_AT, LSE_AT, DELTA_AT = z["OFFSETS"][4:8]
+
+    @kernel_part
+    def probabilities(words, s, dp, qk_scale, mask, bias, mask_steps, bias_steps, b, h,
+                      start_m, start_n, n_q, kv_len, left, right, bottom_right, ty_u, tx_u):
+        for j in range(TQ):
+            r = tx_u + uint64(j * THREADS_N)  # the row within the tile
+            row = start_m + int64(r)
+            lo, hi = key_range_device(row, n_q, kv_len, left, right, bottom_right)
+            lse_r, delta_r = words[LSE_AT + r], words[DELTA_AT + r]
+            for i in range(TK):
+                key = ty_u + uint64(i * THREADS_M)
+                x = masked_score(s[i, j] * qk_scale, mask, bias, mask_steps, bias_steps, b, h,
+                                 row, start_n + int64(key), lo, hi, False, n_q)
+                p = ZERO if x == NEG_INF else math.exp2(x - lse_r)
+                ds = ZERO if x == NEG_INF else p * (dp[i, j] - delta_r)
+                words[P_AT + key * uint64(P_W) + r] = p
+                words[DS_AT + key * uint64(P_W) + r] = ds
+
+    return probabilities
+
+
+def make_kv_seen_products(z, masked_score):
+    """seen_products(...): dV += P^T dO and dK += dS^T Q adding only the (row, key) pairs
+    the row sees, for a query tile whose Q or dO holds a NaN or an inf (p = 0 at a hidden
+    pair, but 0 * NaN = NaN). Rare, so not unrolled."""
+    TK, TD, TDV = z["BLOCK_N"] // z["THREADS_M"], z["D"] // z["THREADS_N"], \
+        z["DV"] // z["THREADS_N"]
+    BLOCK_M, THREADS_M, THREADS_N = z["BLOCK_M"], z["THREADS_M"], z["THREADS_N"]
+    G_D, G_DV = (VEC if t % VEC == 0 else 1 for t in (TD, TDV))
+    _, _, Q_W, DO_W, P_W = z["WIDTHS"]
+    _, _, Q_AT, DO_AT, P_AT, DS_AT = z["OFFSETS"][:6]
+
+    @kernel_part
+    def seen_products(words, dk_acc, dv_acc, mask, bias, mask_steps, bias_steps, b, h,
+                      start_m, start_n, n_q, kv_len, left, right, bottom_right, ty_u, tx_u):
+        for m in range(BLOCK_M):
+            row = start_m + m
+            lo, hi = key_range_device(row, n_q, kv_len, left, right, bottom_right)
+            for i in range(TK):
+                key = ty_u + uint64(i * THREADS_M)
+                if masked_score(ZERO, mask, bias, mask_steps, bias_steps, b, h, row,
+                                start_n + int64(key), lo, hi, False, n_q) != NEG_INF:
+                    p = words[P_AT + key * uint64(P_W) + uint64(m)]
+                    ds = words[DS_AT + key * uint64(P_W) + uint64(m)]
+                    for j in range(TDV):
+                        c = tx_u * uint64(G_DV) + uint64(j // G_DV * THREADS_N * G_DV
+                                                         + j % G_DV)
+                        dv_acc[i, j] += p * words[DO_AT + uint64(m * DO_W) + c]
+                    for j in range(TD):
+                        c = tx_u * uint64(G_D) + uint64(j // G_D * THREADS_N * G_D + j % G_D)
+                        dk_acc[i, j] += ds * words[Q_AT + uint64(m * Q_W) + c]
+
+    return seen_products
+
+
+def make_store_rows(z, store, T, COLS):
+    """store_rows(acc, x, b, h, first, n, width, factor, ty_u, tx_u): x[b, h, first + ty +
+    i * THREADS_M, column j] = acc[i, j] * factor for the thread's T rows and its COLS /
+    THREADS_N columns (`pv`'s layout), rows < n and columns < width only."""
+    THREADS_M, THREADS_N = z["THREADS_M"], z["THREADS_N"]
+    TC = COLS // THREADS_N
+    GROUP = VEC if TC % VEC == 0 else 1
+
+    @kernel_part
+    def store_rows(acc, x, b, h, first, n, width, factor, ty_u, tx_u):
+        for i in range(T):
+            r = first + int64(ty_u) + i * THREADS_M
+            if r < n:
+                for j in range(TC):
+                    c = int64(tx_u) * GROUP + j // GROUP * THREADS_N * GROUP + j % GROUP
+                    if c < width:
+                        x[b, h, r, c] = store(acc[i, j] * factor)
+
+    return store_rows
+
+
+def make_q_probabilities(z, masked_score):
+    """probabilities(...): for the thread's TQ rows and TK keys of S and dP, dS =
+    exp2(S * qk_scale (+ bias) - lse) * (dP - delta) into shared memory, 0 where the row
+    does not see the key."""
+    TQ, TK = z["BLOCK_M"] // z["THREADS_M"], z["BLOCK_N"] // z["THREADS_N"]
+    THREADS_M, THREADS_N = z["THREADS_M"], z["THREADS_N"]
+    P_W = z["WIDTHS"][4]
+    DS_AT = z["OFFSETS"][5]
+
+    @kernel_part
+    def probabilities(words, s, dp, lse_i, delta_i, lo, hi, qk_scale, mask, bias, mask_steps,
+                      bias_steps, b, h, first_row, start_n, n_q, ty_u, tx_u):
+        for i in range(TQ):
+            for j in range(TK):
+                key = tx_u + uint64(j * THREADS_N)
+                x = masked_score(s[i, j] * qk_scale, mask, bias, mask_steps, bias_steps, b, h,
+                                 first_row + i * THREADS_M, start_n + int64(key), lo[i],
+                                 hi[i], False, n_q)
+                ds = ZERO if x == NEG_INF else math.exp2(x - lse_i[i]) * (dp[i, j] - delta_i[i])
+                words[DS_AT + (ty_u + uint64(i * THREADS_M)) * uint64(P_W) + key] = ds
+
+    return probabilities
+
+
+def device_functions(spec):
+    """The variant's device functions, in the order its kernel calls them."""
+    z = _z(spec)
+    load, store, _ = CONVERTERS[spec.dtype]
+    BLOCK_M, BLOCK_N, THREADS = z["BLOCK_M"], z["BLOCK_N"], z["THREADS"]
+    K_W, V_W, Q_W, DO_W, P_W = z["WIDTHS"]
+    K_AT, V_AT, Q_AT, DO_AT, P_AT, DS_AT = z["OFFSETS"][:6]
+    masked_score = make_masked_score(z)
+    loaders = (tile_loader(load, BLOCK_N, spec.d, THREADS, K_W, 8),
+               tile_loader(load, BLOCK_N, spec.dv, THREADS, V_W, 8),
+               tile_loader(load, BLOCK_M, spec.d, THREADS, Q_W, 8),
+               tile_loader(load, BLOCK_M, spec.dv, THREADS, DO_W, 8))
+    if spec.part == "dkdv":  # S^T = K Q^T, dP^T = V dO^T; dV += P^T dO, dK += dS^T Q
+        tk, tq = BLOCK_N // z["THREADS_M"], BLOCK_M // z["THREADS_N"]
+        return loaders + (
+            make_scores(scores_sizes(z, tk, tq, K_AT, K_W, Q_AT, Q_W)),
+            make_scores(scores_sizes(z, tk, tq, V_AT, V_W, DO_AT, DO_W)),
+            make_kv_probabilities(z, masked_score),
+            make_pv(pv_sizes(z, tk, spec.dv, BLOCK_M, P_AT, P_W, DO_AT, DO_W), masked_score)[0],
+            make_pv(pv_sizes(z, tk, spec.d, BLOCK_M, DS_AT, P_W, Q_AT, Q_W), masked_score)[0],
+            make_kv_seen_products(z, masked_score),
+            make_store_rows(z, store, tk, spec.d), make_store_rows(z, store, tk, spec.dv))
+    tq, tk = BLOCK_M // z["THREADS_M"], BLOCK_N // z["THREADS_N"]  # S = Q K^T, dP = dO V^T
+    return loaders + (
+        make_scores(scores_sizes(z, tq, tk, Q_AT, Q_W, K_AT, K_W)),
+        make_scores(scores_sizes(z, tq, tk, DO_AT, DO_W, V_AT, V_W)),
+        make_q_probabilities(z, masked_score),
+        *make_pv(pv_sizes(z, tq, spec.d, BLOCK_N, DS_AT, P_W, K_AT, K_W), masked_score),
+        make_store_rows(z, store, tq, spec.d))
+
+
+def dkdv_kernel_source(spec):
+    """The dK, dV kernel of variant `spec` (part "dkdv"): reference/tiled_backward.py's
+    program for one key tile, one block each."""
+    z = _z(spec)
+    BLOCK_M, BLOCK_N, THREADS_M, THREADS_N = (z[n] for n in ("BLOCK_M", "BLOCK_N",
+                                                             "THREADS_M", "THREADS_N"))
+    TK, TQ, TD, TDV = BLOCK_N // THREADS_M, BLOCK_M // THREADS_N, spec.d // THREADS_N, \
+        spec.dv // THREADS_N
+    TC, SHARED_WORDS, FRAG = max(TD, TDV), z["SHARED_WORDS"], 2 * VEC
+    K_AT, V_AT, Q_AT, DO_AT = z["OFFSETS"][:4]
+    LSE_AT, DELTA_AT = z["OFFSETS"][6:8]
+    (load_k, load_v, load_q, load_do, scores_s, scores_dp, probabilities, pv_dv, pv_dk,
+     seen_products, store_dk, store_dv) = device_functions(spec)
+
+    def dkdv_kernel(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, dk, dv, n_q, group,
+                    qk_scale, scale, left, right, bottom_right, mask_steps, bias_steps):
+        words = cuda.shared.array(SHARED_WORDS, float32)
+        dk_acc = cuda.local.array((TK, TD), float32)  # the thread's keys' dK, columns
+        dv_acc = cuda.local.array((TK, TDV), float32)
+        s = cuda.local.array((TK, TQ), float32)  # S^T of the thread's keys and rows
+        dp = cuda.local.array((TK, TQ), float32)  # dP^T likewise
+        frag = cuda.local.array((TK, FRAG), float32)
+        cols = cuda.local.array(TC, float32)
+        tid = cuda.threadIdx.x
+        ty_u, tx_u = uint64(tid // THREADS_N), uint64(tid % THREADS_N)  # keys, rows/columns
+        heads_k = k.shape[1]
+        b, hk = cuda.blockIdx.y // heads_k, cuda.blockIdx.y % heads_k
+        start_n = int64(cuda.blockIdx.x) * BLOCK_N
+        d, d_v, kv_len = q.shape[3], v.shape[3], int64(kv_lengths[b])
+        for i in range(TK):
+            for j in range(TD):
+                dk_acc[i, j] = ZERO
+            for j in range(TDV):
+                dv_acc[i, j] = ZERO
+        if start_n < kv_len:  # else every key of the tile is hidden: dK = dV = 0
+            load_k(k[b, hk], start_n, kv_len - start_n, d, words, K_AT)  # once, zeros past
+            load_v(v[b, hk], start_n, kv_len - start_n, d_v, words, V_AT)
+            last_key = min(start_n + BLOCK_N, kv_len)
+            for h in range(hk * group, (hk + 1) * group):  # the group's query heads, in order
+                for start_m in range(0, n_q, BLOCK_M):
+                    last_row = min(start_m + BLOCK_M, n_q) - 1
+                    lo_f, _ = key_range_device(start_m, n_q, kv_len, left, right, bottom_right)
+                    _, hi_l = key_range_device(last_row, n_q, kv_len, left, right, bottom_right)
+                    if hi_l <= start_n or lo_f >= last_key:
+                        continue  # no row of this tile sees these keys (the same for all)
+                    # Barrier: the last tile's reads of Q, dO, P^T and dS^T are done (first
+                    # time: K and V are loaded).
+                    cuda.syncthreads()
+                    bad = load_q(q[b, h], start_m, n_q - start_m, d, words, Q_AT)
+                    bad |= load_do(dout[b, h], start_m, n_q - start_m, d_v, words, DO_AT)
+                    load_row_stats(words, lse_in, delta, b, h, start_m, n_q, LSE_AT, DELTA_AT,
+                                   BLOCK_M)
+                    # Barrier: Q, dO and the row statistics are complete; every thread knows
+                    # whether any loaded a NaN or an inf.
+                    bad = cuda.syncthreads_or(bad)
+                    scores_s(words, s, frag, ty_u, tx_u, (d + FRAG - 1) // FRAG)
+                    scores_dp(words, dp, frag, ty_u, tx_u, (d_v + FRAG - 1) // FRAG)
+                    probabilities(words, s, dp, qk_scale, mask, bias, mask_steps, bias_steps,
+                                  b, h, start_m, start_n, n_q, kv_len, left, right,
+                                  bottom_right, ty_u, tx_u)
+                    cuda.syncthreads()  # Barrier: P^T and dS^T are complete.
+                    if not bad:
+                        pv_dv(words, dv_acc, frag, cols, ty_u, tx_u, BLOCK_M)
+                        pv_dk(words, dk_acc, frag, cols, ty_u, tx_u, BLOCK_M)
+                    else:
+                        seen_products(words, dk_acc, dv_acc, mask, bias, mask_steps,
+                                      bias_steps, b, h, start_m, start_n, n_q, kv_len, left,
+                                      right, bottom_right, ty_u, tx_u)
+        store_dk(dk_acc, dk, b, hk, start_n, k.shape[2], d, scale, ty_u, tx_u)
+        store_dv(dv_acc, dv, b, hk, start_n, k.shape[2], d_v, float32(1.0), ty_u, tx_u)
+
+    return check_parameters(dkdv_kernel, tuple(a[0] for a in DKDV_ARGS))
+
+
+def dq_kernel_source(spec):
+    """The dQ kernel of variant `spec` (part "dq"): the forward's walk over key tiles, with
+    P recomputed from the saved lse."""
+    z = _z(spec)
+    BLOCK_M, BLOCK_N, THREADS_M, THREADS_N = (z[n] for n in ("BLOCK_M", "BLOCK_N",
+                                                             "THREADS_M", "THREADS_N"))
+    TQ, TK, TD = BLOCK_M // THREADS_M, BLOCK_N // THREADS_N, spec.d // THREADS_N
+    SHARED_WORDS, FRAG = z["SHARED_WORDS"], 2 * VEC
+    K_AT, V_AT, Q_AT, DO_AT = z["OFFSETS"][:4]
+    (load_k, load_v, load_q, load_do, scores_s, scores_dp, probabilities, pv_dq,
+     pv_dq_seen_keys, store_dq) = device_functions(spec)
+
+    def dq_kernel(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, dq, n_q, group,
+                  qk_scale, scale, left, right, bottom_right, mask_steps, bias_steps):
+        words = cuda.shared.array(SHARED_WORDS, float32)
+        dq_acc = cuda.local.array((TQ, TD), float32)
+        s = cuda.local.array((TQ, TK), float32)
+        dp = cuda.local.array((TQ, TK), float32)
+        frag = cuda.local.array((TQ, FRAG), float32)
+        cols = cuda.local.array(TD, float32)
+        lse_i = cuda.local.array(TQ, float32)  # log2 units
+        delta_i = cuda.local.array(TQ, float32)
+        lo = cuda.local.array(TQ, int64)
+        hi = cuda.local.array(TQ, int64)
+        tid = cuda.threadIdx.x
+        ty, tx = tid // THREADS_N, tid % THREADS_N  # rows, keys (and columns of dQ)
+        ty_u, tx_u = uint64(ty), uint64(tx)
+        heads_q = q.shape[1]
+        b, h = cuda.blockIdx.y // heads_q, cuda.blockIdx.y % heads_q
+        hk = h // group
+        start_m = int64(cuda.blockIdx.x) * BLOCK_M
+        d, d_v, kv_len = q.shape[3], v.shape[3], int64(kv_lengths[b])
+        for i in range(TQ):
+            row = start_m + ty + i * THREADS_M
+            ok = row < n_q
+            lse_i[i] = lse_in[b, h, row] * LOG2E if ok else ZERO
+            delta_i[i] = delta[b, h, row] if ok else ZERO
+            lo[i], hi[i] = key_range_device(row, n_q, kv_len, left, right, bottom_right)
+            for j in range(TD):
+                dq_acc[i, j] = ZERO
+        load_q(q[b, h], start_m, n_q - start_m, d, words, Q_AT)  # once
+        load_do(dout[b, h], start_m, n_q - start_m, d_v, words, DO_AT)
+        last_row = min(start_m + BLOCK_M, n_q) - 1
+        lo_f, _ = key_range_device(start_m, n_q, kv_len, left, right, bottom_right)
+        _, hi_l = key_range_device(last_row, n_q, kv_len, left, right, bottom_right)
+        first, last = max(lo_f, 0) // BLOCK_N * BLOCK_N, min(hi_l, kv_len)
+        for start_n in range(first, last, BLOCK_N):
+            # Barrier: the last tile's reads of K, V and dS are done (first time: Q and dO
+            # are loaded).
+            cuda.syncthreads()
+            bad = load_k(k[b, hk], start_n, last - start_n, d, words, K_AT)
+            bad |= load_v(v[b, hk], start_n, last - start_n, d_v, words, V_AT)
+            # Barrier: K and V are complete; every thread knows whether any loaded a NaN or
+            # an inf.
+            bad = cuda.syncthreads_or(bad)
+            scores_s(words, s, frag, ty_u, tx_u, (d + FRAG - 1) // FRAG)
+            scores_dp(words, dp, frag, ty_u, tx_u, (d_v + FRAG - 1) // FRAG)
+            probabilities(words, s, dp, lse_i, delta_i, lo, hi, qk_scale, mask, bias,
+                          mask_steps, bias_steps, b, h, start_m + ty, start_n, n_q, ty_u, tx_u)
+            cuda.syncthreads()  # Barrier: dS is complete.
+            if not bad:
+                pv_dq(words, dq_acc, frag, cols, ty_u, tx_u, min(BLOCK_N, last - start_n))
+            else:  # a hidden key's K may be NaN: only the keys each row sees
+                pv_dq_seen_keys(words, dq_acc, cols, mask, bias, mask_steps, bias_steps, b,
+                                h, start_m + ty, start_n, lo, hi, False, n_q, ty_u, tx_u)
+        store_dq(dq_acc, dq, b, h, start_m, n_q, d, scale, ty_u, tx_u)
+
+    return check_parameters(dq_kernel, tuple(a[0] for a in DQ_ARGS))
+
+
+def bwd_kernel_source(spec):
+    return (dkdv_kernel_source if spec.part == "dkdv" else dq_kernel_source)(spec)
+
+
+def bwd_specs():
+    """Every variant a call can select: the PTX gate compiles each."""
+    from .specs import DTYPES, HEAD_DIMS
+
+    return [BwdSpec(part, w, w, dtype, m).check() for part in ("dkdv", "dq")
+            for w in HEAD_DIMS for dtype in DTYPES for m in (False, True)]
