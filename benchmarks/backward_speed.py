@@ -6,7 +6,8 @@
 On the same inputs, in one run: the Numba forward with each backward kernel (numba-plain,
 numba-tuned: flash_attention_backward(kernel=)), and torch SDPA forced to each backend
 through autograd. For each, the forward plus backward of loss = sum(out * dout), and the
-backward alone (the forward's results kept). Shapes (B, H, N, D) = (4, 16, N, 64) and (2, 16, N, 128), causal and not.
+backward alone (the forward's results kept). Shapes (B, H, N, D) = (4, 16, N, 64) and
+(2, 16, N, 128), causal and not.
 CUDA events, median of repeats (benchmarks/attention_speed.py's time_ms). FLOPs: the forward
 4 B H N^2 D, the backward 2.5 times that, halved for causal. Peak extra memory per call.
 Writes DIR/backward_speed.json; prints a table.

@@ -3,8 +3,9 @@
     python -m numba_kernels.ptx_report [--cc 9.0] [--jobs 2] [--json PATH] [--no-cache]
 
 For each variant of the tuned kernel, the split-KV merge kernel of each dtype, the plain
-kernels (plain_fwd.py and the backward's plain_bwd.py) and the tuned backward (flash_bwd.py), with the argument types every launch
-passes (C-contiguous arrays: api.py makes strided inputs contiguous): numba.cuda.compile_ptx
+kernels (plain_fwd.py and the backward's plain_bwd.py) and the tuned backward (flash_bwd.py),
+with the argument types every launch passes (C-contiguous arrays: api.py makes strided
+inputs contiguous): numba.cuda.compile_ptx
 for the compute capability, then `ptxas -v`, which reports registers, spills, stack frame and
 shared memory. A variant fails when it spills, needs a stack frame (arrays that fell out of
 registers into local memory; the plain kernels keep a row or a key there by design, so for
