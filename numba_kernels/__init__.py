@@ -13,5 +13,4 @@ from .launch import compile_times
 from .specs import MAX_HEAD_DIM, choose_spec, shipped_specs
 
 __all__ = ["flash_attention", "plain_attention", "flash_attention_backward", "choose_spec",
-           "compile_times",
-           "shipped_specs", "MAX_HEAD_DIM"]
+           "compile_times", "shipped_specs", "MAX_HEAD_DIM"]
