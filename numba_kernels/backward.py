@@ -9,7 +9,7 @@ from .flash_fwd import kernel_args
 from .launch import launch
 from .plain_bwd import (DELTA_ARGS, DELTA_THREADS, DKDV_ARGS, DQ_ARGS, plain_bwd_kernel)
 from .plain_fwd import plain_tiles
-from .flash_bwd import BwdSpec
+from .flash_bwd import BwdSpec, bwd_width
 from .specs import pad, tuned_bwd_kernel
 
 
@@ -75,7 +75,8 @@ def _tuned(pb, io, named, grads, width, has_mask):
     """The tuned dK/dV and dQ kernels (flash_bwd.py): register micro-tiles."""
     for part, n, heads, args, out in (("dkdv", pb.n_k, pb.heads_k, DKDV_ARGS, ("dk", "dv")),
                                       ("dq", pb.n_q, pb.heads_q, DQ_ARGS, ("dq",))):
-        spec = BwdSpec(part, width, width, pb.dtype, has_mask)
+        w = bwd_width(pb.d, pb.dv)
+        spec = BwdSpec(part, w, w, pb.dtype, has_mask)
         block_m, block_n, threads_m, threads_n = spec.tiles
         rows = block_n if part == "dkdv" else block_m
         if pb.batch * heads * n:

@@ -49,8 +49,15 @@ NEG_INF, ZERO = float32(-math.inf), float32(0.0)
 LOG2E = float32(1.4426950408889634)
 
 # padded width -> (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N): the largest square tiles whose
-# shared tiles fit 48 KB in both kernels, 64 threads.
+# shared tiles fit 48 KB in both kernels, 64 threads. Head dims are zero-padded to one of
+# these three widths (as for plain_bwd.py): fewer variants to compile, FLOPs spent on zeros
+# for the others.
 TILES = {64: (32, 32, 8, 8), 128: (16, 16, 8, 8), 256: (8, 8, 8, 8)}
+
+
+def bwd_width(d, dv):
+    """The padded width of the tuned backward for head dims d, dv."""
+    return next(w for w in TILES if w >= max(d, dv))
 
 
 @dataclass(frozen=True)
@@ -427,7 +434,7 @@ def bwd_kernel_source(spec):
 
 def bwd_specs():
     """Every variant a call can select: the PTX gate compiles each."""
-    from .specs import DTYPES, HEAD_DIMS
+    from .specs import DTYPES
 
     return [BwdSpec(part, w, w, dtype, m).check() for part in ("dkdv", "dq")
-            for w in HEAD_DIMS for dtype in DTYPES for m in (False, True)]
+            for w in TILES for dtype in DTYPES for m in (False, True)]
