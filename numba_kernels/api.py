@@ -48,7 +48,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     if type(q).__module__.startswith("torch") and spec is None:
         from . import autograd
 
-        if autograd.wanted(q, k, v):
+        if autograd.wanted(q, k, v, bias):
             return autograd.attention(q, k, v, scale=scale, causal=causal, mask=mask,
                                       bias=bias, kv_lengths=kv_lengths, window=window,
                                       return_lse=return_lse, num_splits=num_splits)

@@ -11,8 +11,8 @@ traces their shapes through the fake implementations, never into Numba):
 
 The forward saves q, k, v, out and lse; the backward runs the backward kernels
 (backward.py). A gradient flowing into lse (return_lse=True, lse used in the loss) is
-folded into delta: dS = P * (dP - (delta - dlse)), since d lse_i / d s_ij = P_ij. mask,
-bias and kv_lengths get no gradient. CPU tensors are copied to the device and back, as
+folded into delta: dS = P * (dP - (delta - dlse)), since d lse_i / d s_ij = P_ij. mask and
+kv_lengths get no gradient; a bias that requires one is refused (the kernels compute none). CPU tensors are copied to the device and back, as
 NumPy arrays are (so the CUDA simulator runs this too).
 """
 from typing import Optional
@@ -30,6 +30,10 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_len
     """flash_attention's forward through the operator (same arguments and results)."""
     check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                          kv_lengths=kv_lengths, window=window)  # the contract's errors first
+    if isinstance(bias, Tensor) and bias.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError("bias requires grad, but the kernels compute no gradient "
+                                  "for bias (reference.attention_backward(return_dbias=True) "
+                                  "does): detach it, or use another implementation")
     mask, bias, kv_lengths = (None if x is None else torch.as_tensor(x, device=q.device)
                               for x in (mask, bias, kv_lengths))
     out, lse = torch.ops.flash_conformance.attention(
@@ -120,8 +124,9 @@ def _tensor(x):
     return torch.from_numpy(x.copy())
 
 
-def wanted(q, k, v):
-    """Whether a torch call goes through the operator: gradients wanted, torch.compile
-    tracing, or CPU tensors."""
+def wanted(q, k, v, bias=None):
+    """Whether a torch call goes through the operator: gradients wanted (of q, k, v, or of a
+    bias, which is then refused), torch.compile tracing, or CPU tensors."""
+    grads = [x.requires_grad for x in (q, k, v, bias) if isinstance(x, Tensor)]
     return (q.device.type == "cpu" or torch.compiler.is_compiling()
-            or (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))))
+            or (torch.is_grad_enabled() and any(grads)))

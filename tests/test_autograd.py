@@ -78,3 +78,14 @@ def test_contract_errors_come_first():
     q = torch.randn(1, 1, 4, 8, requires_grad=True)
     with pytest.raises(ValueError, match="top_left"):
         flash_attention(q, q, q, causal=True)
+
+
+def test_a_bias_that_needs_a_gradient_is_refused():
+    """The kernels compute no dbias: a learnable bias must not silently get none."""
+    q = torch.randn(1, 1, 4, 8, requires_grad=True)
+    bias = torch.zeros(1, 1, 4, 4, requires_grad=True)
+    for x in (q, q.detach()):  # also when q, k and v need no gradient
+        with pytest.raises(NotImplementedError, match="bias requires grad"):
+            flash_attention(x, x, x, bias=bias)
+    flash_attention(q, q, q, bias=bias.detach()).sum().backward()
+    assert q.grad is not None
