@@ -46,6 +46,10 @@ from .flash_fwd import (STATIC_SHARED_LIMIT, VEC, check_parameters, key_range_de
 from .plain_bwd import DKDV_ARGS, DQ_ARGS
 
 NEG_INF, ZERO = float32(-math.inf), float32(0.0)
+# P of a (row, key) pair that takes no part (hidden, or a score of -inf): -0.0. Every P that
+# takes part is +0.0 or more (or NaN), so the slow products tell them apart by the sign, and
+# the fast ones add -0.0 * x = -0.0 (or NaN where x is not finite: then the slow ones run).
+NO_PART = float32(-0.0)
 LOG2E = float32(1.4426950408889634)
 
 # padded width -> (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N): the largest square tiles whose
@@ -83,14 +87,13 @@ class BwdSpec:
 
     @property
     def offsets(self):
-        """Where K, V, Q, dO, P (dkdv: P^T; dq: unused), dS, lse, delta start, and the end."""
+        """Where K, V, Q, dO, P, dS (dkdv: P^T, dS^T), lse, delta start, and the end."""
         block_m, block_n = self.tiles[:2]
         k_w, v_w, q_w, do_w, p_w = self.widths
         p_rows = block_n if self.part == "dkdv" else block_m
         at = [0]
         for words in (block_n * k_w, block_n * v_w, block_m * q_w, block_m * do_w,
-                      p_rows * p_w if self.part == "dkdv" else 0, p_rows * p_w, block_m,
-                      block_m):
+                      p_rows * p_w, p_rows * p_w, block_m, block_m):
             at.append(at[-1] + words)
         return tuple(at)
 
@@ -166,7 +169,7 @@ def make_kv_probabilities(z, masked_score):
                 key = ty_u + uint64(i * THREADS_M)
                 x = masked_score(s[i, j] * qk_scale, mask, bias, mask_steps, bias_steps, b, h,
                                  row, start_n + int64(key), lo, hi, False, n_q)
-                p = ZERO if x == NEG_INF else math.exp2(x - lse_r)
+                p = NO_PART if x == NEG_INF else math.exp2(x - lse_r)
                 ds = ZERO if x == NEG_INF else p * (dp[i, j] - delta_r)
                 words[P_AT + key * uint64(P_W) + r] = p
                 words[DS_AT + key * uint64(P_W) + r] = ds
@@ -174,10 +177,10 @@ def make_kv_probabilities(z, masked_score):
     return probabilities
 
 
-def make_kv_seen_products(z, masked_score):
+def make_kv_seen_products(z):
     """seen_products(...): dV += P^T dO and dK += dS^T Q adding only the (row, key) pairs
-    the row sees, for a query tile whose Q or dO holds a NaN or an inf (p = 0 at a hidden
-    pair, but 0 * NaN = NaN). Rare, so not unrolled."""
+    that take part (P not NO_PART), for a query tile whose Q or dO holds a NaN or an inf
+    (0 * NaN = NaN). Rare, so not unrolled."""
     TK, TD, TDV = z["BLOCK_N"] // z["THREADS_M"], z["D"] // z["THREADS_N"], \
         z["DV"] // z["THREADS_N"]
     BLOCK_M, THREADS_M, THREADS_N = z["BLOCK_M"], z["THREADS_M"], z["THREADS_N"]
@@ -186,16 +189,12 @@ def make_kv_seen_products(z, masked_score):
     _, _, Q_AT, DO_AT, P_AT, DS_AT = z["OFFSETS"][:6]
 
     @kernel_part
-    def seen_products(words, dk_acc, dv_acc, mask, bias, mask_steps, bias_steps, b, h,
-                      start_m, start_n, n_q, kv_len, left, right, bottom_right, ty_u, tx_u):
+    def seen_products(words, dk_acc, dv_acc, ty_u, tx_u):
         for m in range(BLOCK_M):
-            row = start_m + m
-            lo, hi = key_range_device(row, n_q, kv_len, left, right, bottom_right)
             for i in range(TK):
                 key = ty_u + uint64(i * THREADS_M)
-                if masked_score(ZERO, mask, bias, mask_steps, bias_steps, b, h, row,
-                                start_n + int64(key), lo, hi, False, n_q) != NEG_INF:
-                    p = words[P_AT + key * uint64(P_W) + uint64(m)]
+                p = words[P_AT + key * uint64(P_W) + uint64(m)]
+                if not (p == ZERO and math.copysign(float32(1.0), p) < ZERO):
                     ds = words[DS_AT + key * uint64(P_W) + uint64(m)]
                     for j in range(TDV):
                         c = tx_u * uint64(G_DV) + uint64(j // G_DV * THREADS_N * G_DV
@@ -230,13 +229,13 @@ def make_store_rows(z, store, T, COLS):
 
 
 def make_q_probabilities(z, masked_score):
-    """probabilities(...): for the thread's TQ rows and TK keys of S and dP, dS =
-    exp2(S * qk_scale (+ bias) - lse) * (dP - delta) into shared memory, 0 where the row
-    does not see the key."""
+    """probabilities(...): for the thread's TQ rows and TK keys of S and dP, P = exp2(S *
+    qk_scale (+ bias) - lse) and dS = P (dP - delta) into shared memory; where the pair
+    takes no part, P = NO_PART and dS = 0."""
     TQ, TK = z["BLOCK_M"] // z["THREADS_M"], z["BLOCK_N"] // z["THREADS_N"]
     THREADS_M, THREADS_N = z["THREADS_M"], z["THREADS_N"]
     P_W = z["WIDTHS"][4]
-    DS_AT = z["OFFSETS"][5]
+    P_AT, DS_AT = z["OFFSETS"][4:6]
 
     @kernel_part
     def probabilities(words, s, dp, lse_i, delta_i, lo, hi, qk_scale, mask, bias, mask_steps,
@@ -247,10 +246,37 @@ def make_q_probabilities(z, masked_score):
                 x = masked_score(s[i, j] * qk_scale, mask, bias, mask_steps, bias_steps, b, h,
                                  first_row + i * THREADS_M, start_n + int64(key), lo[i],
                                  hi[i], False, n_q)
-                ds = ZERO if x == NEG_INF else math.exp2(x - lse_i[i]) * (dp[i, j] - delta_i[i])
-                words[DS_AT + (ty_u + uint64(i * THREADS_M)) * uint64(P_W) + key] = ds
+                p = NO_PART if x == NEG_INF else math.exp2(x - lse_i[i])
+                at = (ty_u + uint64(i * THREADS_M)) * uint64(P_W) + key
+                words[P_AT + at] = p  # for the slow product's test only
+                words[DS_AT + at] = ZERO if x == NEG_INF else p * (dp[i, j] - delta_i[i])
 
     return probabilities
+
+
+def make_q_seen_products(z):
+    """seen_products(...): dQ += dS K adding only the pairs that take part (P not NO_PART),
+    for a key tile whose K holds a NaN or an inf (a hidden key's, or one whose score is
+    -inf: 0 * inf = NaN). Rare, so not unrolled."""
+    TQ, TD = z["BLOCK_M"] // z["THREADS_M"], z["D"] // z["THREADS_N"]
+    BLOCK_N, THREADS_M, THREADS_N = z["BLOCK_N"], z["THREADS_M"], z["THREADS_N"]
+    G = VEC if TD % VEC == 0 else 1
+    K_W, P_W = z["WIDTHS"][0], z["WIDTHS"][4]
+    K_AT, P_AT, DS_AT = z["OFFSETS"][0], z["OFFSETS"][4], z["OFFSETS"][5]
+
+    @kernel_part
+    def seen_products(words, dq_acc, ty_u, tx_u):
+        for i in range(TQ):
+            r = ty_u + uint64(i * THREADS_M)
+            for n in range(BLOCK_N):
+                p = words[P_AT + r * uint64(P_W) + uint64(n)]
+                if not (p == ZERO and math.copysign(float32(1.0), p) < ZERO):
+                    ds = words[DS_AT + r * uint64(P_W) + uint64(n)]
+                    for j in range(TD):
+                        c = tx_u * uint64(G) + uint64(j // G * THREADS_N * G + j % G)
+                        dq_acc[i, j] += ds * words[K_AT + uint64(n * K_W) + c]
+
+    return seen_products
 
 
 def device_functions(spec):
@@ -273,15 +299,15 @@ def device_functions(spec):
             make_kv_probabilities(z, masked_score),
             make_pv(pv_sizes(z, tk, spec.dv, BLOCK_M, P_AT, P_W, DO_AT, DO_W), masked_score)[0],
             make_pv(pv_sizes(z, tk, spec.d, BLOCK_M, DS_AT, P_W, Q_AT, Q_W), masked_score)[0],
-            make_kv_seen_products(z, masked_score),
+            make_kv_seen_products(z),
             make_store_rows(z, store, tk, spec.d), make_store_rows(z, store, tk, spec.dv))
     tq, tk = BLOCK_M // z["THREADS_M"], BLOCK_N // z["THREADS_N"]  # S = Q K^T, dP = dO V^T
     return loaders + (
         make_scores(scores_sizes(z, tq, tk, Q_AT, Q_W, K_AT, K_W)),
         make_scores(scores_sizes(z, tq, tk, DO_AT, DO_W, V_AT, V_W)),
         make_q_probabilities(z, masked_score),
-        *make_pv(pv_sizes(z, tq, spec.d, BLOCK_N, DS_AT, P_W, K_AT, K_W), masked_score),
-        make_store_rows(z, store, tq, spec.d))
+        make_pv(pv_sizes(z, tq, spec.d, BLOCK_N, DS_AT, P_W, K_AT, K_W), masked_score)[0],
+        make_q_seen_products(z), make_store_rows(z, store, tq, spec.d))
 
 
 def dkdv_kernel_source(spec):
@@ -349,9 +375,7 @@ def dkdv_kernel_source(spec):
                         pv_dv(words, dv_acc, frag, cols, ty_u, tx_u, BLOCK_M)
                         pv_dk(words, dk_acc, frag, cols, ty_u, tx_u, BLOCK_M)
                     else:
-                        seen_products(words, dk_acc, dv_acc, mask, bias, mask_steps,
-                                      bias_steps, b, h, start_m, start_n, n_q, kv_len, left,
-                                      right, bottom_right, ty_u, tx_u)
+                        seen_products(words, dk_acc, dv_acc, ty_u, tx_u)
         store_dk(dk_acc, dk, b, hk, start_n, k.shape[2], d, scale, ty_u, tx_u)
         store_dv(dv_acc, dv, b, hk, start_n, k.shape[2], d_v, float32(1.0), ty_u, tx_u)
 
@@ -368,7 +392,7 @@ def dq_kernel_source(spec):
     SHARED_WORDS, FRAG = z["SHARED_WORDS"], 2 * VEC
     K_AT, V_AT, Q_AT, DO_AT = z["OFFSETS"][:4]
     (load_k, load_v, load_q, load_do, scores_s, scores_dp, probabilities, pv_dq,
-     pv_dq_seen_keys, store_dq) = device_functions(spec)
+     seen_products, store_dq) = device_functions(spec)
 
     def dq_kernel(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, dq, n_q, group,
                   qk_scale, scale, left, right, bottom_right, mask_steps, bias_steps):
@@ -420,9 +444,8 @@ def dq_kernel_source(spec):
             cuda.syncthreads()  # Barrier: dS is complete.
             if not bad:
                 pv_dq(words, dq_acc, frag, cols, ty_u, tx_u, min(BLOCK_N, last - start_n))
-            else:  # a hidden key's K may be NaN: only the keys each row sees
-                pv_dq_seen_keys(words, dq_acc, cols, mask, bias, mask_steps, bias_steps, b,
-                                h, start_m + ty, start_n, lo, hi, False, n_q, ty_u, tx_u)
+            else:  # a K holding NaN or inf: only the pairs that take part
+                seen_products(words, dq_acc, ty_u, tx_u)
         store_dq(dq_acc, dq, b, h, start_m, n_q, d, scale, ty_u, tx_u)
 
     return check_parameters(dq_kernel, tuple(a[0] for a in DQ_ARGS))

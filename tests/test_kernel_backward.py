@@ -16,7 +16,7 @@ from verify.cases import Case, edge_cases
 EDGES = ("causal bottom_right 45x31", "GQA, Dv != D", "MQA, head dim 1", "kv_lengths 0, 1, Nk",
          "mask with empty rows", "head dim 40")
 HARD = ("backward: N = 5", "backward: dout strided", "bias + mask + kv_lengths",
-        "k:nan in keys some rows see")
+        "k:nan in keys some rows see", "k:-inf in keys some rows see")
 
 
 def numba_with(kernel):
