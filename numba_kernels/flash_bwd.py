@@ -266,9 +266,9 @@ def make_q_seen_products(z):
 
     @kernel_part
     def seen_products(words, dq_acc, ty_u, tx_u):
-        for i in range(TQ):
-            r = ty_u + uint64(i * THREADS_M)
-            for n in range(BLOCK_N):
+        for n in range(BLOCK_N):  # the rows inside: unrolled, so dq_acc stays in registers
+            for i in range(TQ):
+                r = ty_u + uint64(i * THREADS_M)
                 p = words[P_AT + r * uint64(P_W) + uint64(n)]
                 if not (p == ZERO and math.copysign(float32(1.0), p) < ZERO):
                     ds = words[DS_AT + r * uint64(P_W) + uint64(n)]
