@@ -6,9 +6,17 @@ NumPy view in the simulator, which has no libdevice; `load4` is one vector instr
 GPU and four reads in the simulator.
 """
 import numpy as np
-from numba import config, cuda, float32, int32, int64
+from numba import config, cuda
 
 SIMULATOR = bool(config.ENABLE_CUDASIM)
+
+# The scalar types kernels cast with. In the simulator Numba's are casts costing about 3.6 us
+# a call, which in index arithmetic took a third of a simulated kernel's time: there NumPy's
+# float32 (the same rounding) and exact Python ints (indices, never negative) stand in.
+if SIMULATOR:
+    float32, int32, int64, uint64 = np.float32, int, int, int
+else:
+    from numba import float32, int32, int64, uint64
 
 
 def device_function(fn=None, fastmath=None):
@@ -16,12 +24,18 @@ def device_function(fn=None, fastmath=None):
     rather than Numba's: Numba then types and lowers each device function once per argument
     types, not once per call site, and a kernel variant compiles in about 30% less time with
     the same registers. A device function compiles with its own fastmath flags, not its
-    caller's: give the kernel's (device_function(fastmath=...)). The simulator takes neither
-    option."""
+    caller's: give the kernel's (device_function(fastmath=...)).
+
+    In the simulator a device function that does not name `cuda` is the Python function
+    itself: the simulator's device-function wrapper swaps the module's globals under a lock
+    on every call, and with a block's threads calling it per element the lock and the GIL
+    convoy (a D = 256 tile took 0.4 s or 110 s from run to run). One that names `cuda`
+    (shared arrays, barriers, thread indices) keeps the wrapper, which gives it the
+    simulated module."""
     if fn is None:
         return lambda f: device_function(f, fastmath)
     if SIMULATOR:
-        return cuda.jit(device=True)(fn)
+        return fn if "cuda" not in fn.__code__.co_names else cuda.jit(device=True)(fn)
     if fastmath:
         return cuda.jit(device=True, forceinline=True, fastmath=fastmath)(fn)
     return cuda.jit(device=True, forceinline=True)(fn)

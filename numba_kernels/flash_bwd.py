@@ -38,18 +38,15 @@ A tile holding a NaN or an inf takes a slower product that adds only the pairs e
 import math
 from dataclasses import dataclass
 
-from numba import cuda, float32, int64, uint64
+from numba import cuda
 
-from .convert import CONVERTERS
+from .convert import float32, int64, uint64, CONVERTERS
 from .flash_fwd import (STATIC_SHARED_LIMIT, VEC, check_parameters, key_range_device,
-                        kernel_part, make_masked_score, make_pv, make_scores, tile_loader)
+                        NO_PART, kernel_part, make_masked_score, make_pv, make_scores,
+                        takes_part, tile_loader)
 from .plain_bwd import DKDV_ARGS, DQ_ARGS
 
 NEG_INF, ZERO = float32(-math.inf), float32(0.0)
-# P of a (row, key) pair that takes no part (hidden, or a score of -inf): -0.0. Every P that
-# takes part is +0.0 or more (or NaN), so the slow products tell them apart by the sign, and
-# the fast ones add -0.0 * x = -0.0 (or NaN where x is not finite: then the slow ones run).
-NO_PART = float32(-0.0)
 LOG2E = float32(1.4426950408889634)
 
 # padded width -> (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N): the largest square tiles whose
@@ -194,7 +191,7 @@ def make_kv_seen_products(z):
             for i in range(TK):
                 key = ty_u + uint64(i * THREADS_M)
                 p = words[P_AT + key * uint64(P_W) + uint64(m)]
-                if not (p == ZERO and math.copysign(float32(1.0), p) < ZERO):
+                if takes_part(p):
                     ds = words[DS_AT + key * uint64(P_W) + uint64(m)]
                     for j in range(TDV):
                         c = tx_u * uint64(G_DV) + uint64(j // G_DV * THREADS_N * G_DV
@@ -270,7 +267,7 @@ def make_q_seen_products(z):
             for i in range(TQ):
                 r = ty_u + uint64(i * THREADS_M)
                 p = words[P_AT + r * uint64(P_W) + uint64(n)]
-                if not (p == ZERO and math.copysign(float32(1.0), p) < ZERO):
+                if takes_part(p):
                     ds = words[DS_AT + r * uint64(P_W) + uint64(n)]
                     for j in range(TD):
                         c = tx_u * uint64(G) + uint64(j // G * THREADS_N * G + j % G)
@@ -297,8 +294,8 @@ def device_functions(spec):
             make_scores(scores_sizes(z, tk, tq, K_AT, K_W, Q_AT, Q_W)),
             make_scores(scores_sizes(z, tk, tq, V_AT, V_W, DO_AT, DO_W)),
             make_kv_probabilities(z, masked_score),
-            make_pv(pv_sizes(z, tk, spec.dv, BLOCK_M, P_AT, P_W, DO_AT, DO_W), masked_score)[0],
-            make_pv(pv_sizes(z, tk, spec.d, BLOCK_M, DS_AT, P_W, Q_AT, Q_W), masked_score)[0],
+            make_pv(pv_sizes(z, tk, spec.dv, BLOCK_M, P_AT, P_W, DO_AT, DO_W))[0],
+            make_pv(pv_sizes(z, tk, spec.d, BLOCK_M, DS_AT, P_W, Q_AT, Q_W))[0],
             make_kv_seen_products(z),
             make_store_rows(z, store, tk, spec.d), make_store_rows(z, store, tk, spec.dv))
     tq, tk = BLOCK_M // z["THREADS_M"], BLOCK_N // z["THREADS_N"]  # S = Q K^T, dP = dO V^T
@@ -306,7 +303,7 @@ def device_functions(spec):
         make_scores(scores_sizes(z, tq, tk, Q_AT, Q_W, K_AT, K_W)),
         make_scores(scores_sizes(z, tq, tk, DO_AT, DO_W, V_AT, V_W)),
         make_q_probabilities(z, masked_score),
-        make_pv(pv_sizes(z, tq, spec.d, BLOCK_N, DS_AT, P_W, K_AT, K_W), masked_score)[0],
+        make_pv(pv_sizes(z, tq, spec.d, BLOCK_N, DS_AT, P_W, K_AT, K_W))[0],
         make_q_seen_products(z), make_store_rows(z, store, tq, spec.d))
 
 

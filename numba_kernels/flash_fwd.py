@@ -50,10 +50,10 @@ arrays they share with the kernel stay in registers.
 import math
 from dataclasses import dataclass
 
-from numba import cuda, float32, int64, uint64
+from numba import cuda
 
 from reference.contract import key_range
-from .convert import CONVERTERS, device_function, load4
+from .convert import float32, int64, uint64, CONVERTERS, device_function, load4
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E): exp2 is one ex2.approx instruction
 LN2 = 0.6931471805599453
@@ -289,6 +289,17 @@ def key_tiles(start_m, last_row, n_q, kv_len, left, right, bottom_right, split, 
 
 NEG_INF, ZERO = float32(-math.inf), float32(0.0)
 F_LN2, F_LOG2E = float32(LN2), float32(LOG2E)
+# P of a (row, key) pair that takes no part (hidden, or a score of -inf): -0.0. Every P that
+# takes part is +0.0 or more (or NaN), so the slow products (a V tile, or in the backward a
+# Q or dO tile, holding a NaN or an inf) tell them apart by the sign: 0 * NaN would be NaN.
+# The fast products add -0.0 * x = -0.0 where x is finite. FASTMATH keeps signed zeros.
+NO_PART = float32(-0.0)
+
+
+@kernel_part
+def takes_part(p):
+    """Whether a pair with probability p takes part (p is not NO_PART)."""
+    return not (p == ZERO and math.copysign(float32(1.0), p) < ZERO)
 
 
 def make_masked_score(z):
@@ -408,9 +419,9 @@ def make_online_softmax(z):
     def online_softmax(words, s, m_i, l_i, acc, ty_u, tx_u):
         """The online softmax, one tile: each row's max m_new over the THREADS_N partial
         maxima; alpha = exp2(m_i - m_new) rescales what was summed under the old max (l_i,
-        acc); P = exp2(S - m_new) goes to shared memory for P V (a hidden key: exp2(-inf) =
-        0; NaN stays NaN). Each thread sums its own keys of a row into l_i; the THREADS_N
-        parts are added once, at the end."""
+        acc); P = exp2(S - m_new) goes to shared memory for P V (P = NO_PART where S = -inf:
+        a pair that takes no part; NaN stays NaN). Each thread sums its own keys of a row
+        into l_i; the THREADS_N parts are added once, at the end."""
         for i in range(TM):
             r = ty_u + uint64(i * THREADS_M)
             tile_max = NEG_INF
@@ -421,7 +432,7 @@ def make_online_softmax(z):
             alpha = math.exp2(m_i[i] - m_safe)
             row_sum = ZERO
             for j in range(TN):
-                p = math.exp2(s[i, j] - m_safe)
+                p = NO_PART if s[i, j] == NEG_INF else math.exp2(s[i, j] - m_safe)
                 row_sum += p
                 words[P_AT + r * uint64(P_W) + tx_u + uint64(j * THREADS_N)] = p
             l_i[i] = l_i[i] * alpha + row_sum
@@ -432,7 +443,7 @@ def make_online_softmax(z):
     return online_softmax
 
 
-def make_pv(z, masked_score):
+def make_pv(z):
     """(pv, pv_seen_keys): acc += P V for the thread's TM x TV micro-tile, from the P and V
     tiles in shared memory."""
     TM, TV, V_GROUP = z["TM"], z["TV"], z["V_GROUP"]
@@ -465,10 +476,10 @@ def make_pv(z, masked_score):
                         acc[i, j] += frag[i, e] * v_cols[j]
 
     @kernel_part
-    def pv_seen_keys(words, acc, v_cols, mask, bias, mask_steps, bias_steps, b, h,
-                     first_row, start_n, lo, hi, interior, n_q, ty_u, tx_u):
-        """The same for a V tile holding a NaN or an inf, adding only the keys each row sees:
-        a hidden key has p = 0, but 0 * NaN = NaN. Rare, so not unrolled."""
+    def pv_seen_keys(words, acc, v_cols, ty_u, tx_u):
+        """The same for a V tile holding a NaN or an inf, adding only the pairs that take
+        part (takes_part): a hidden key has p = -0.0, but -0.0 * NaN = NaN. Rare, so not
+        unrolled."""
         for n in range(BLOCK_N):
             for g in range(TV // V_GROUP):
                 for e in range(V_GROUP):
@@ -476,10 +487,8 @@ def make_pv(z, masked_score):
                         KV_AT + uint64(n * V_W) + tx_u * uint64(V_GROUP)
                         + uint64(g * THREADS_N * V_GROUP + e)]
             for i in range(TM):
-                if masked_score(ZERO, mask, bias, mask_steps, bias_steps, b, h,
-                                first_row + i * THREADS_M, start_n + n, lo[i], hi[i],
-                                interior, n_q) != NEG_INF:
-                    p = words[P_AT + (ty_u + uint64(i * THREADS_M)) * uint64(P_W) + uint64(n)]
+                p = words[P_AT + (ty_u + uint64(i * THREADS_M)) * uint64(P_W) + uint64(n)]
+                if takes_part(p):
                     for j in range(TV):
                         acc[i, j] += p * v_cols[j]
 
@@ -541,7 +550,7 @@ def device_functions(spec):
         store = CONVERTERS["float32"][1]
     Q_W, K_W, V_W = z["WIDTHS"][:3]
     masked_score = make_masked_score(z)
-    pv, pv_seen_keys = make_pv(z, masked_score)
+    pv, pv_seen_keys = make_pv(z)
     # Each batch of tile loads waits for global memory once; larger batches cost registers
     # (specs.LOAD_BATCH chooses them per variant).
     return (tile_loader(load, spec.block_m, spec.d, spec.threads, Q_W, spec.qk_load_batch),
@@ -622,8 +631,7 @@ def kernel_source(spec):
             if not cuda.syncthreads_or(bad):
                 pv(words, acc, frag, v_cols, ty_u, tx_u, min(BLOCK_N, n_keys))
             else:
-                pv_seen_keys(words, acc, v_cols, mask, bias, mask_steps, bias_steps, b, h,
-                             start_m + ty, start_n, lo, hi, interior, n_q, ty_u, tx_u)
+                pv_seen_keys(words, acc, v_cols, ty_u, tx_u)
         store_out(words, out, lse, m_i, l_i, acc, out_b, h, start_m, start_m + ty, n_q, dv,
                   ty_u, tx_u)
 

@@ -26,10 +26,10 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from numba import cuda, float32
+from numba import cuda
 
 from .compile_cache import jit
-from .convert import CONVERTERS
+from .convert import float32, CONVERTERS
 from .flash_fwd import ARGS, FASTMATH, check_parameters
 from .plain_fwd import (F_LOG2E, NEG_INF, ZERO, make_load_row, make_load_tile, make_score,
                         plain_tiles)

@@ -20,10 +20,10 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from numba import cuda, float32
+from numba import cuda
 
 from .compile_cache import jit
-from .convert import CONVERTERS, device_function
+from .convert import float32, CONVERTERS, device_function
 from .flash_fwd import ARGS, FASTMATH, LN2, LOG2E, check_parameters, key_range_device
 
 # The plain kernel's arguments: those of flash_fwd.py's ARGS it needs (the same meanings).

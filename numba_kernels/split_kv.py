@@ -13,9 +13,9 @@ gets out = 0 and lse = -inf, as without splitting. NaN in a split's lse or out r
 """
 import math
 
-from numba import cuda, float32, int64
+from numba import cuda
 
-from .convert import CONVERTERS
+from .convert import float32, int64, CONVERTERS
 
 FILL_BLOCKS_PER_SM = 4  # resident blocks an SM holds at the kernel's register use (PERF.md)
 MIN_TILES_PER_SPLIT = 4  # key tiles a split walks at least: a split is worth a block
