@@ -248,13 +248,19 @@ def _poison_hidden(case, k, v, options, value):
 
 
 def _poison_some_rows(case, k, v, options):
-    """case.poison = "k:nan", "v:-inf", ...: in each batch, every key that no row sees, and one
-    key that some rows see and others (which see other keys) do not, get the value: in K one
-    element, in V one column. Raises VacuousCase when no key anywhere is of the second kind:
-    then a kernel that leaks would pass unnoticed."""
-    tensor, _, name = case.poison.partition(":")
-    value = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}[name]
+    """case.poison = "k:nan", "v:-inf", ... or several, "k:-inf,v:nan": in each batch, every
+    key that no row sees, and one key that some rows see and others (which see other keys) do
+    not, get the value: in K one element, in V one column. Raises VacuousCase when no key
+    anywhere is of the second kind: then a kernel that leaks would pass unnoticed."""
     keep = visibility(case, options)
+    for part in case.poison.split(","):
+        tensor, _, name = part.partition(":")
+        value = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}[name]
+        _poison_keys(case, k, v, keep, tensor, value)
+
+
+def _poison_keys(case, k, v, keep, tensor, value):
+    """One poison of _poison_some_rows: `tensor` ("k" or "v") gets `value`."""
     bites = 0
     for b in range(case.B):
         seen = keep[b].reshape(-1, case.Nk)  # (Hq * Nq, Nk)
@@ -456,6 +462,9 @@ def _non_finite(add, N):
         ("k:-inf", dict(causal="bottom_right", Nq=N(50), Nk=N(30))),
         ("v:-inf", dict(mask="random", mask_shape="head")),
         ("v:nan", dict(bias="neg-inf")),
+        # K's -inf gives a score of -inf in the rows with q > 0 there (the key takes no
+        # part: its NaN in V reaches nothing) and +inf in the others (NaN rows).
+        ("k:-inf,v:nan", dict(mask="random")),
     ]
     for poison, kw in setups:
         where = "+".join(f"{k}={v}" for k, v in kw.items() if k in ("causal", "window",
