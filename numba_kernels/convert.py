@@ -14,9 +14,9 @@ SIMULATOR = bool(config.ENABLE_CUDASIM)
 # a call, which in index arithmetic took a third of a simulated kernel's time: there NumPy's
 # float32 (the same rounding) and exact Python ints (indices, never negative) stand in.
 if SIMULATOR:
-    float32, int32, int64, uint64 = np.float32, int, int, int
+    float32, int32, int64, uint32, uint64 = np.float32, int, int, np.uint32, int
 else:
-    from numba import float32, int32, int64, uint64
+    from numba import float32, int32, int64, uint32, uint64
 
 
 def device_function(fn=None, fastmath=None):

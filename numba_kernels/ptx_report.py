@@ -93,6 +93,33 @@ def cached_check(args):
     return row
 
 
+def ptxas_figures(ptx, cc=(9, 0), ptxas=None):
+    """What `ptxas -v` says of one PTX module: registers, spill stores and loads, stack frame,
+    shared bytes, and the count of .f64 instructions in the PTX. RuntimeError with ptxas's
+    message when it rejects the module."""
+    ptxas = ptxas or find_ptxas()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([ptxas, f"-arch=sm_{cc[0]}{cc[1]}", "-v", path, "-o",
+                              path + ".cubin"], capture_output=True, text=True)
+    text = run.stdout + run.stderr
+    if run.returncode != 0:
+        raise RuntimeError(text.strip()[-500:])
+
+    def number(pattern):
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else 0
+
+    return dict(registers=number(r"Used (\d+) registers"),
+                spill_stores=number(r"(\d+) bytes spill stores"),
+                spill_loads=number(r"(\d+) bytes spill loads"),
+                stack_frame=number(r"(\d+) bytes stack frame"),
+                shared=number(r"(\d+) bytes smem"),
+                f64_instructions=len(re.findall(r"\.f64\b", ptx)))
+
+
 def check_variant(args):
     spec, cc, ptxas = args
     from numba_kernels.flash_fwd import STATIC_SHARED_LIMIT
@@ -102,27 +129,10 @@ def check_variant(args):
     with compiling_for(cc):  # this worker process launches nothing
         ptx = compile_ptx(spec, cc)
     name = f"merge_splits({spec})" if isinstance(spec, str) else repr(spec)
-    f64 = len(re.findall(r"\.f64\b", ptx))
-    arch = f"sm_{cc[0]}{cc[1]}"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        run = subprocess.run([ptxas, f"-arch={arch}", "-v", path, "-o", path + ".cubin"],
-                             capture_output=True, text=True)
-    text = run.stdout + run.stderr
-    if run.returncode != 0:
-        return dict(spec=name, ok=False, error=text.strip()[-500:])
-
-    def number(pattern):
-        m = re.search(pattern, text)
-        return int(m.group(1)) if m else 0
-
-    row = dict(spec=name, registers=number(r"Used (\d+) registers"),
-               spill_stores=number(r"(\d+) bytes spill stores"),
-               spill_loads=number(r"(\d+) bytes spill loads"),
-               stack_frame=number(r"(\d+) bytes stack frame"),
-               shared=number(r"(\d+) bytes smem"), f64_instructions=f64)
+    try:
+        row = dict(spec=name, **ptxas_figures(ptx, cc, ptxas))
+    except RuntimeError as e:
+        return dict(spec=name, ok=False, error=str(e))
     # the plain kernels keep a row (or a key) in local memory by design
     plain = type(spec).__name__ in ("PlainSpec", "PlainBwdSpec")
     problems = [k for k in ("spill_stores", "spill_loads", "stack_frame", "f64_instructions")

@@ -1,0 +1,388 @@
+"""Warp-level instructions from Python: tensor-core mma.sync, ldmatrix, warp shuffles and
+asynchronous copies. On the GPU each is one inline-PTX instruction (a Numba @intrinsic); in the
+simulator each is Python with the same per-lane semantics, so a kernel written with them runs
+unchanged on a CPU and a reader can step through it lane by lane.
+
+A warp is 32 lanes; lane = 4 * g + t, g = lane // 4 (the "group", 0..7), t = lane % 4. A 32-bit
+register holds two 16-bit values (float16 or bfloat16), the lower index in the low half.
+
+mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: D (16x8) = A (16x16) B (16x8) + C, float32
+accumulators (PTX ISA, "Matrix Fragments for mma.m16n8k16"):
+
+    A, 16x16, four registers            B, 16x8, two registers      C and D, 16x8, four floats
+         k: 0 .. 7   8 .. 15                 n: 0 .. 7                    n: 0 .. 7
+    row g    [ a0   |   a2 ]          k 0..7   [ b0 ]              row g    [ c0 c1 ]
+    row g+8  [ a1   |   a3 ]          k 8..15  [ b1 ]              row g+8  [ c2 c3 ]
+
+    a0 = A[g, 2t:2t+2]     a1 = A[g+8, 2t:2t+2]     a2 = A[g, 2t+8:2t+10]   a3 = A[g+8, 2t+8:2t+10]
+    b0 = B[2t:2t+2, g]     b1 = B[2t+8:2t+10, g]
+    c0, c1 = C[g, 2t], C[g, 2t+1]                   c2, c3 = C[g+8, 2t], C[g+8, 2t+1]
+
+ldmatrix.sync.aligned.m8n8.x4.shared.b16: four 8x8 matrices of 16-bit values from shared
+memory. Lanes 8m .. 8m+7 each give the address of one row (8 values, 16 bytes, 16-byte
+aligned) of matrix m; lane 4g + t receives register m = row g's values 2t, 2t+1. With .trans
+it receives column g's values 2t, 2t+1 (rows 2t and 2t+1 of column g) instead: the layout of B
+above when the rows in memory are B's k (keys of V).
+
+cp.async.cg.shared.global: 16 bytes from global to shared memory without passing through
+registers, zero-filled past n_bytes; copies are grouped by cp_async_commit and waited for by
+cp_async_wait(n) (all but the newest n groups have landed), then a barrier makes them visible
+to the other threads. The simulator performs a group's copies when it is waited for, the
+latest moment the hardware may: a kernel that reads before it waits reads stale data there too.
+"""
+import threading
+
+import numpy as np
+from numba import cuda
+
+from .convert import SIMULATOR, device_function, float32, float_to_bf16
+
+LANES = 32
+FULL_MASK = 0xFFFFFFFF
+MEETING_TIMEOUT_S = 120  # a lane that never arrives (a divergent warp) ends in an error
+
+
+# The layouts, as NumPy: (32, r) registers by lane <-> the matrices. The simulator's
+# instructions are built on them and the tests check them against the table above.
+
+def a_registers(A):
+    """A (16, 16) 16-bit values -> (32, 4) pairs: a0..a3 of each lane (pair = 2 values)."""
+    out = np.empty((LANES, 4, 2), A.dtype)
+    for lane in range(LANES):
+        g, t = divmod(lane, 4)
+        out[lane] = A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2], \
+            A[g, 2 * t + 8:2 * t + 10], A[g + 8, 2 * t + 8:2 * t + 10]
+    return out
+
+
+def b_registers(B):
+    """B (16, 8) -> (32, 2) pairs: b0, b1 of each lane."""
+    out = np.empty((LANES, 2, 2), B.dtype)
+    for lane in range(LANES):
+        g, t = divmod(lane, 4)
+        out[lane] = B[2 * t:2 * t + 2, g], B[2 * t + 8:2 * t + 10, g]
+    return out
+
+
+def c_registers(C):
+    """C (16, 8) float32 -> (32, 4): c0..c3 of each lane."""
+    out = np.empty((LANES, 4), C.dtype)
+    for lane in range(LANES):
+        g, t = divmod(lane, 4)
+        out[lane] = C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1]
+    return out
+
+
+def c_matrix(regs):
+    """The inverse of c_registers: (32, 4) -> C (16, 8)."""
+    C = np.empty((16, 8), regs.dtype)
+    for lane in range(LANES):
+        g, t = divmod(lane, 4)
+        C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1] = regs[lane]
+    return C
+
+
+def a_matrix(pairs):
+    """The inverse of a_registers: (32, 4, 2) -> A (16, 16)."""
+    A = np.empty((16, 16), pairs.dtype)
+    for lane in range(LANES):
+        g, t = divmod(lane, 4)
+        A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2], A[g, 2 * t + 8:2 * t + 10], \
+            A[g + 8, 2 * t + 8:2 * t + 10] = pairs[lane]
+    return A
+
+
+def b_matrix(pairs):
+    """The inverse of b_registers: (32, 2, 2) -> B (16, 8)."""
+    B = np.empty((16, 8), pairs.dtype)
+    for lane in range(LANES):
+        g, t = divmod(lane, 4)
+        B[2 * t:2 * t + 2, g], B[2 * t + 8:2 * t + 10, g] = pairs[lane]
+    return B
+
+
+def ldmatrix_rows(rows, trans):
+    """What ldmatrix.x4 gives each lane: rows (4, 8, 8) 16-bit values, matrix m's row r at
+    rows[m, r] (the row lane 8m + r pointed at) -> (32, 4, 2) pairs."""
+    out = np.empty((LANES, 4, 2), rows.dtype)
+    for lane in range(LANES):
+        g, t = divmod(lane, 4)
+        for m in range(4):
+            out[lane, m] = rows[m, 2 * t:2 * t + 2, g] if trans else rows[m, g, 2 * t:2 * t + 2]
+    return out
+
+
+# 16-bit values <-> 32-bit registers (two values, the lower index in the low half).
+
+def pack_bits(lo, hi):
+    return (int(lo) & 0xFFFF) | (int(hi) & 0xFFFF) << 16
+
+
+def value_bits(x, dtype):
+    """A float as the 16-bit pattern of `dtype` ("float16" or "bfloat16"), rounded to nearest
+    even as cvt.rn does (bfloat16 by the kernels' own rounding, convert.float_to_bf16, which
+    is Python where this runs: in the simulator)."""
+    if dtype == "float16":
+        return int(np.float16(x).view(np.uint16))
+    return int(float_to_bf16(float32(x))) & 0xFFFF
+
+
+def bits_value(bits, dtype):
+    """A 16-bit pattern of `dtype` as float64 (exact)."""
+    if dtype == "float16":
+        return float(np.uint16(bits).view(np.float16))
+    return float(np.uint32((int(bits) & 0xFFFF) << 16).view(np.float32))
+
+
+def unpack(reg, dtype):
+    """A 32-bit register -> its two values (low half first), float64."""
+    return bits_value(int(reg) & 0xFFFF, dtype), bits_value((int(reg) >> 16) & 0xFFFF, dtype)
+
+
+def mma_reference(a, b, c, dtype):
+    """D of mma.m16n8k16 for a warp: a (32, 4), b (32, 2) registers, c (32, 4) float32 ->
+    (32, 4) float32. Products of 16-bit values are exact in float64 and the sum is rounded
+    once to float32 (the hardware adds in an unspecified order with at least float32
+    precision: within an ulp or so of this)."""
+    A = a_matrix(np.array([[unpack(r, dtype) for r in lane] for lane in a]))
+    B = b_matrix(np.array([[unpack(r, dtype) for r in lane] for lane in b]))
+    C = c_matrix(np.asarray(c, np.float64))
+    return c_registers((A @ B + C).astype(np.float32))
+
+
+if SIMULATOR:
+    _meetings, _meetings_lock = {}, threading.Lock()
+    _pending = threading.local()  # a thread's asynchronous copies not yet landed
+
+    class _Meeting:
+        """Where the lanes of one simulated warp exchange values: each puts its own in, waits
+        for all, takes a copy, and waits again so that the slots may be reused."""
+
+        def __init__(self, lanes):
+            self.values = [None] * lanes
+            self.barrier = threading.Barrier(lanes, timeout=MEETING_TIMEOUT_S)
+
+    def _meet(key, lanes, lane, value):
+        with _meetings_lock:
+            meeting = _meetings.get(key)
+            if meeting is None or meeting.barrier.broken or len(meeting.values) != lanes:
+                meeting = _meetings[key] = _Meeting(lanes)
+        meeting.values[lane] = value
+        meeting.barrier.wait()
+        values = list(meeting.values)
+        meeting.barrier.wait()
+        return values
+
+    @device_function
+    def _warp_values(value):
+        """(lane, every lane's value): the calling warp meets (1-D blocks)."""
+        tid, threads = cuda.threadIdx.x, cuda.blockDim.x
+        warp = tid // LANES
+        key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, warp)
+        return tid % LANES, _meet(key, min(LANES, threads - warp * LANES), tid % LANES, value)
+
+    def _mma(dtype, a, b, c):
+        lane, regs = _warp_values((a, b, c))
+        d = mma_reference([r[0] for r in regs], [r[1] for r in regs], [r[2] for r in regs],
+                          dtype)
+        return tuple(float32(x) for x in d[lane])
+
+    def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _mma("float16", (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
+
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _mma("bfloat16", (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
+
+    def _ldmatrix(words, index, trans):
+        lane, addresses = _warp_values(int(index))
+        rows = np.empty((4, 8, 8), np.int64)
+        for m in range(4):
+            for r in range(8):
+                at = addresses[8 * m + r]
+                for w in range(4):
+                    word = int(words[at + w]) & 0xFFFFFFFF
+                    rows[m, r, 2 * w], rows[m, r, 2 * w + 1] = word & 0xFFFF, word >> 16
+        pairs = ldmatrix_rows(rows, trans)[lane]
+        return tuple(np.uint32(pack_bits(lo, hi)) for lo, hi in pairs)
+
+    def ldmatrix_x4(words, index):
+        return _ldmatrix(words, index, False)
+
+    def ldmatrix_x4_trans(words, index):
+        return _ldmatrix(words, index, True)
+
+    def shfl_xor(value, lane_mask):
+        lane, values = _warp_values(value)
+        return values[lane ^ lane_mask]
+
+    def pack_f16(lo, hi):
+        return np.uint32(pack_bits(value_bits(lo, "float16"), value_bits(hi, "float16")))
+
+    def pack_bf16(lo, hi):
+        return np.uint32(pack_bits(value_bits(lo, "bfloat16"), value_bits(hi, "bfloat16")))
+
+    def _groups():
+        if not hasattr(_pending, "groups"):
+            _pending.groups, _pending.open = [], []
+        return _pending
+
+    def cp_async16(words, w_index, src, s_index, n_bytes):
+        """Read now (the inputs do not change during a kernel), written when waited for."""
+        values = [int(src[s_index + e]) if np.issubdtype(np.asarray(src[s_index]).dtype,
+                                                         np.integer)
+                  else int(np.float16(src[s_index + e]).view(np.uint16))
+                  for e in range(n_bytes // 2)] + [0] * (8 - n_bytes // 2)
+        _groups().open.append((words, w_index, values))
+
+    def cp_async_commit():
+        p = _groups()
+        p.groups.append(p.open)
+        p.open = []
+
+    def cp_async_wait(n):
+        p = _groups()
+        while len(p.groups) > n:
+            for words, at, values in p.groups.pop(0):
+                for w in range(4):
+                    words[at + w] = np.uint32(pack_bits(values[2 * w], values[2 * w + 1]))
+
+else:
+    from llvmlite import ir
+    from numba.core import types
+    from numba.core.extending import intrinsic
+
+    I32, F32, I64 = ir.IntType(32), ir.FloatType(), ir.IntType(64)
+
+    def _asm(builder, outputs, text, constraints, args, side_effect=False):
+        """One inline-PTX statement; returns its outputs (a list)."""
+        ret = ir.LiteralStructType(outputs) if len(outputs) > 1 else \
+            outputs[0] if outputs else ir.VoidType()
+        fn = ir.FunctionType(ret, [a.type for a in args])
+        value = builder.call(ir.InlineAsm(fn, text, constraints, side_effect=side_effect),
+                             args)
+        if len(outputs) > 1:
+            return [builder.extract_value(value, i) for i in range(len(outputs))]
+        return [value] if outputs else []
+
+    def _u32(context, builder, ty, value):
+        return context.cast(builder, value, ty, types.uint32)
+
+    def _address(context, builder, array_type, array, index_type, index):
+        """The generic address of array[index] (1-D, C-contiguous) as a 64-bit integer."""
+        data = context.make_array(array_type)(context, builder, array).data
+        at = builder.gep(data, [context.cast(builder, index, index_type, types.intp)])
+        return builder.ptrtoint(at, I64)
+
+    def _make_mma(kind):
+        text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
+                "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
+
+        @intrinsic
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            regs, accs = (a0, a1, a2, a3, b0, b1), (c0, c1, c2, c3)
+            if not all(isinstance(r, types.Integer) for r in regs):
+                return None
+            sig = types.UniTuple(types.float32, 4)(*regs, *accs)
+
+            def codegen(context, builder, signature, args):
+                ins = [_u32(context, builder, ty, v) for ty, v in zip(signature.args[:6],
+                                                                      args[:6])]
+                ins += [context.cast(builder, v, ty, types.float32)
+                        for ty, v in zip(signature.args[6:], args[6:])]
+                outs = _asm(builder, [F32] * 4, text, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", ins)
+                return context.make_tuple(builder, signature.return_type, outs)
+
+            return sig, codegen
+
+        return mma
+
+    mma_f16, mma_bf16 = _make_mma("f16"), _make_mma("bf16")
+
+    def _make_ldmatrix(trans):
+        text = ("{ .reg .u64 a; cvta.to.shared.u64 a, $4; ldmatrix.sync.aligned.m8n8.x4"
+                f"{'.trans' if trans else ''}.shared.b16 {{$0,$1,$2,$3}}, [a]; }}")
+
+        @intrinsic
+        def ldmatrix(typingctx, words, index):
+            if not (isinstance(words, types.Array) and words.ndim == 1
+                    and words.dtype == types.uint32 and isinstance(index, types.Integer)):
+                return None
+            sig = types.UniTuple(types.uint32, 4)(words, index)
+
+            def codegen(context, builder, signature, args):
+                at = _address(context, builder, signature.args[0], args[0],
+                              signature.args[1], args[1])
+                outs = _asm(builder, [I32] * 4, text, "=r,=r,=r,=r,l,~{memory}", [at],
+                            side_effect=True)
+                return context.make_tuple(builder, signature.return_type, outs)
+
+            return sig, codegen
+
+        return ldmatrix
+
+    ldmatrix_x4, ldmatrix_x4_trans = _make_ldmatrix(False), _make_ldmatrix(True)
+
+    @device_function
+    def shfl_xor(value, lane_mask):
+        return cuda.shfl_xor_sync(FULL_MASK, value, lane_mask)
+
+    def _make_pack(kind):
+        text = f"cvt.rn.{kind}x2.f32 $0, $1, $2;"  # $1 goes to the high half
+
+        @intrinsic
+        def pack(typingctx, lo, hi):
+            sig = types.uint32(lo, hi)
+
+            def codegen(context, builder, signature, args):
+                lo_, hi_ = (context.cast(builder, v, ty, types.float32)
+                            for ty, v in zip(signature.args, args))
+                return _asm(builder, [I32], text, "=r,f,f", [hi_, lo_])[0]
+
+            return sig, codegen
+
+        return pack
+
+    pack_f16, pack_bf16 = _make_pack("f16"), _make_pack("bf16")
+
+    @intrinsic
+    def cp_async16(typingctx, words, w_index, src, s_index, n_bytes):
+        """16 bytes from src[s_index:] (global, 16-bit values) to words[w_index:] (shared,
+        uint32), zero-filled past n_bytes (0 or 16 here)."""
+        if not (isinstance(words, types.Array) and words.dtype == types.uint32
+                and isinstance(src, types.Array) and src.dtype.bitwidth == 16):
+            return None
+        sig = types.void(words, w_index, src, s_index, n_bytes)
+
+        def codegen(context, builder, signature, args):
+            dst = _address(context, builder, signature.args[0], args[0], signature.args[1],
+                           args[1])
+            at = _address(context, builder, signature.args[2], args[2], signature.args[3],
+                          args[3])
+            n = _u32(context, builder, signature.args[4], args[4])
+            _asm(builder, [], "{ .reg .u64 s, g; cvta.to.shared.u64 s, $0; "
+                 "cvta.to.global.u64 g, $1; cp.async.cg.shared.global [s], [g], 16, $2; }",
+                 "l,l,r,~{memory}", [dst, at, n], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async_commit(typingctx):
+        def codegen(context, builder, signature, args):
+            _asm(builder, [], "cp.async.commit_group;", "~{memory}", [], side_effect=True)
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    @intrinsic
+    def cp_async_wait(typingctx, n):
+        """Wait until at most n (a constant) of this thread's newest groups are in flight."""
+        if not isinstance(n, types.IntegerLiteral):
+            return None
+        text = f"cp.async.wait_group {n.literal_value};"
+
+        def codegen(context, builder, signature, args):
+            _asm(builder, [], text, "~{memory}", [], side_effect=True)
+            return context.get_dummy_value()
+
+        return types.void(n), codegen
