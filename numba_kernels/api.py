@@ -12,6 +12,8 @@ from reference.dtypes import TRANSPORT, numpy_dtype, transported
 from .convert import SIMULATOR
 from .flash_fwd import LOG2E, kernel_args
 from .launch import launch
+from .flash_mma import BLOCK_M as MMA_BLOCK_M
+from .flash_mma import MMA_ARG_NAMES, MmaSpec, mma_kernel, mma_plan, mma_width as pad_mma
 from .plain_fwd import PLAIN_ARG_NAMES, plain_kernel, plain_tiles
 from .specs import (DTYPES, MAX_HEAD_DIM, build_kernel, build_merge, choose_spec, launch_grid,
                     pad)
@@ -23,7 +25,8 @@ NO_DEVICE = ("no CUDA GPU is available. To run the kernel on the CPU, set the en
 
 
 def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
-                    kv_lengths=None, window=None, return_lse=False, num_splits=None, spec=None):
+                    kv_lengths=None, window=None, return_lse=False, num_splits=None, spec=None,
+                    kernel="simt"):
     """FlashAttention-2 forward on the GPU (or the CUDA simulator), per docs/contract.md;
     differentiable for torch tensors (autograd.py: gradients from the backward kernels, one
     opaque operator under torch.compile).
@@ -43,7 +46,9 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     num_splits: split the keys into this many ranges, one block each, merged by lse
     (split_kv.py); None chooses: splits only when the query tiles alone leave the GPU's SMs
     idle (decoding). spec: a KernelSpec that forces one variant (for benchmarks); by default
-    specs.choose_spec picks it.
+    specs.choose_spec picks it. kernel: "simt" (flash_fwd.py, every dtype) or "mma" (the
+    tensor-core kernel of flash_mma.py: float16 and bfloat16, head dims multiples of 8 up
+    to 128, no split-KV; a ValueError says why where it does not apply).
     """
     if type(q).__module__.startswith("torch") and spec is None:
         from . import autograd
@@ -51,15 +56,24 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
         if autograd.wanted(q, k, v, bias):
             return autograd.attention(q, k, v, scale=scale, causal=causal, mask=mask,
                                       bias=bias, kv_lengths=kv_lengths, window=window,
-                                      return_lse=return_lse, num_splits=num_splits)
+                                      return_lse=return_lse, num_splits=num_splits,
+                                      kernel=kernel)
     return forward(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                    kv_lengths=kv_lengths, window=window, return_lse=return_lse,
-                   num_splits=num_splits, spec=spec)
+                   num_splits=num_splits, spec=spec, kernel=kernel)
 
 
 def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
-            window=None, return_lse=False, num_splits=None, spec=None):
+            window=None, return_lse=False, num_splits=None, spec=None, kernel="simt"):
     """flash_attention without autograd: the kernels' launch."""
+    if kernel not in ("simt", "mma"):
+        raise ValueError(f"kernel must be 'simt' or 'mma', got {kernel!r}")
+    if kernel == "mma":
+        if spec is not None or num_splits not in (None, 1):
+            raise ValueError("kernel='mma' takes no spec and no num_splits: the tensor-core "
+                             "kernel has one variant per dtype and head dims, and no split-KV")
+        return mma_attention(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                             kv_lengths=kv_lengths, window=window, return_lse=return_lse)
     if num_splits is not None and (isinstance(num_splits, bool)
                                    or not isinstance(num_splits, (int, np.integer))
                                    or num_splits < 1):
@@ -152,6 +166,29 @@ def plain_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
                             mask=mask_dev, bias=bias_dev, kv_lengths=lengths,
                             out=io.dev(out), lse=io.dev(lse), n_q=pb.n_q, group=pb.group,
                             **_band(pb), **steps))
+    out, lse = io.result(out), io.result(lse)
+    return (out, lse) if return_lse else out
+
+
+def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
+                  kv_lengths=None, window=None, return_lse=False):
+    """The tensor-core kernel (flash_mma.py: mma.sync, float16 and bfloat16 inputs) with
+    flash_attention's arguments, checks and array handling. No split-KV. Raises ValueError
+    naming the reason where it does not apply (flash_mma.mma_plan)."""
+    pb, io, out, lse = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
+    why_not = mma_plan(pb)
+    if why_not:
+        raise ValueError(f"the tensor-core kernel does not apply: {why_not}")
+    if pb.batch * pb.heads_q * pb.n_q > 0:
+        spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype,
+                       mask is not None or bias is not None)
+        mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
+        launch(mma_kernel(spec), ("mma",) + tuple(vars(spec).values()),
+               (-(-pb.n_q // MMA_BLOCK_M), pb.batch * pb.heads_q), 128, io.stream,
+               *kernel_args(MMA_ARG_NAMES, q=io.dev(q), k=io.dev(k), v=io.dev(v),
+                            mask=mask_dev, bias=bias_dev, kv_lengths=lengths,
+                            out=io.dev(out), lse=io.dev(lse), n_q=pb.n_q, d=pb.d, dv=pb.dv,
+                            group=pb.group, heads_q=pb.heads_q, **_band(pb), **steps))
     out, lse = io.result(out), io.result(lse)
     return (out, lse) if return_lse else out
 

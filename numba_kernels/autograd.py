@@ -26,7 +26,7 @@ Tensor = torch.Tensor
 
 
 def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
-              window=None, return_lse=False, num_splits=None):
+              window=None, return_lse=False, num_splits=None, kernel="simt"):
     """flash_attention's forward through the operator (same arguments and results)."""
     check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                          kv_lengths=kv_lengths, window=window)  # the contract's errors first
@@ -38,29 +38,32 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_len
                               for x in (mask, bias, kv_lengths))
     out, lse = torch.ops.flash_conformance.attention(
         q, k, v, mask, bias, kv_lengths, None if scale is None else float(scale),
-        causal or "", None if window is None else [int(w) for w in window], num_splits)
+        causal or "", None if window is None else [int(w) for w in window], num_splits,
+        kernel)
     return (out, lse) if return_lse else out
 
 
-def _options(mask, bias, kv_lengths, scale, causal, window, num_splits=None):
+def _options(mask, bias, kv_lengths, scale, causal, window, num_splits=None, kernel=None):
     """The operator's arguments as flash_attention's keywords."""
     return dict(mask=mask, bias=bias, kv_lengths=kv_lengths, scale=scale,
                 causal=causal or False, window=None if window is None else tuple(window),
-                **({} if num_splits is None else {"num_splits": num_splits}))
+                **({} if num_splits is None else {"num_splits": num_splits}),
+                **({} if kernel is None else {"kernel": kernel}))
 
 
 @torch.library.custom_op("flash_conformance::attention", mutates_args=())
 def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
                kv_lengths: Optional[Tensor], scale: Optional[float], causal: str,
-               window: Optional[list[int]], num_splits: Optional[int]) -> tuple[Tensor, Tensor]:
+               window: Optional[list[int]], num_splits: Optional[int],
+               kernel: str) -> tuple[Tensor, Tensor]:
     from .api import forward
 
-    opts = _options(mask, bias, kv_lengths, scale, causal, window, num_splits)
+    opts = _options(mask, bias, kv_lengths, scale, causal, window, num_splits, kernel)
     return _on_device(forward, (q, k, v), opts, return_lse=True)
 
 
 @_attention.register_fake
-def _(q, k, v, mask, bias, kv_lengths, scale, causal, window, num_splits):
+def _(q, k, v, mask, bias, kv_lengths, scale, causal, window, num_splits, kernel):
     b, hq, nq = q.shape[:3]
     return q.new_empty((b, hq, nq, v.shape[3])), q.new_empty((b, hq, nq), dtype=torch.float32)
 
@@ -84,7 +87,7 @@ def _(q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, scale, causal, wind
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, kv_lengths, scale, causal, window, _ = inputs
+    q, k, v, mask, bias, kv_lengths, scale, causal, window, _, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask, bias, kv_lengths)
     ctx.options = (scale, causal, window)
@@ -94,7 +97,7 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, mask, bias, kv_lengths = ctx.saved_tensors
     dq, dk, dv = _attention_backward(q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths,
                                      *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _attention.register_autograd(_backward, setup_context=_setup_context)

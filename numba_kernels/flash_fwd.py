@@ -419,9 +419,9 @@ def make_online_softmax(z):
     def online_softmax(words, s, m_i, l_i, acc, ty_u, tx_u):
         """The online softmax, one tile: each row's max m_new over the THREADS_N partial
         maxima; alpha = exp2(m_i - m_new) rescales what was summed under the old max (l_i,
-        acc); P = exp2(S - m_new) goes to shared memory for P V (P = NO_PART where S = -inf:
-        a pair that takes no part; NaN stays NaN). Each thread sums its own keys of a row
-        into l_i; the THREADS_N parts are added once, at the end."""
+        acc); P = exp2(S - m_new) goes to shared memory for P V (a hidden key: exp2(-inf) =
+        0; NaN stays NaN). Each thread sums its own keys of a row into l_i; the THREADS_N
+        parts are added once, at the end."""
         for i in range(TM):
             r = ty_u + uint64(i * THREADS_M)
             tile_max = NEG_INF
@@ -432,7 +432,7 @@ def make_online_softmax(z):
             alpha = math.exp2(m_i[i] - m_safe)
             row_sum = ZERO
             for j in range(TN):
-                p = NO_PART if s[i, j] == NEG_INF else math.exp2(s[i, j] - m_safe)
+                p = math.exp2(s[i, j] - m_safe)
                 row_sum += p
                 words[P_AT + r * uint64(P_W) + tx_u + uint64(j * THREADS_N)] = p
             l_i[i] = l_i[i] * alpha + row_sum
@@ -447,7 +447,7 @@ def make_pv(z):
     """(pv, pv_seen_keys): acc += P V for the thread's TM x TV micro-tile, from the P and V
     tiles in shared memory."""
     TM, TV, V_GROUP = z["TM"], z["TV"], z["V_GROUP"]
-    BLOCK_N, THREADS_M, THREADS_N = z["BLOCK_N"], z["THREADS_M"], z["THREADS_N"]
+    BLOCK_N, THREADS_M, THREADS_N, TN = z["BLOCK_N"], z["THREADS_M"], z["THREADS_N"], z["TN"]
     V_W, P_W = z["WIDTHS"][2:4]
     KV_AT, P_AT = z["OFFSETS"][1:3]
 
@@ -476,10 +476,18 @@ def make_pv(z):
                         acc[i, j] += frag[i, e] * v_cols[j]
 
     @kernel_part
-    def pv_seen_keys(words, acc, v_cols, ty_u, tx_u):
+    def pv_seen_keys(words, acc, v_cols, s, ty_u, tx_u):
         """The same for a V tile holding a NaN or an inf, adding only the pairs that take
-        part (takes_part): a hidden key has p = -0.0, but -0.0 * NaN = NaN. Rare, so not
-        unrolled."""
+        part: a hidden key has p = 0, but 0 * NaN = NaN. First each thread marks the pairs
+        of its micro-tile whose score is -inf (hidden, or -inf however it arose) with
+        P = NO_PART, here and not in online_softmax, where the select costs registers (D =
+        128 float16 spilled). Rare, so not unrolled."""
+        for i in range(TM):
+            for j in range(TN):
+                if s[i, j] == NEG_INF:
+                    words[P_AT + (ty_u + uint64(i * THREADS_M)) * uint64(P_W) + tx_u
+                          + uint64(j * THREADS_N)] = NO_PART
+        cuda.syncthreads()  # Barrier: every pair that takes no part is marked.
         for n in range(BLOCK_N):
             for g in range(TV // V_GROUP):
                 for e in range(V_GROUP):
@@ -631,7 +639,7 @@ def kernel_source(spec):
             if not cuda.syncthreads_or(bad):
                 pv(words, acc, frag, v_cols, ty_u, tx_u, min(BLOCK_N, n_keys))
             else:
-                pv_seen_keys(words, acc, v_cols, ty_u, tx_u)
+                pv_seen_keys(words, acc, v_cols, s, ty_u, tx_u)
         store_out(words, out, lse, m_i, l_i, acc, out_b, h, start_m, start_m + ty, n_q, dv,
                   ty_u, tx_u)
 

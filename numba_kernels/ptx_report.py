@@ -154,6 +154,7 @@ def main(argv=None):
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         sys.exit("unset NUMBA_ENABLE_CUDASIM: the simulator cannot compile PTX")
     from numba_kernels.flash_bwd import bwd_specs
+    from numba_kernels.flash_mma import mma_specs
     from numba_kernels.plain_bwd import plain_bwd_specs
     from numba_kernels.plain_fwd import plain_specs
     from numba_kernels.specs import DTYPES, shipped_specs
@@ -161,7 +162,8 @@ def main(argv=None):
     cc = tuple(int(x) for x in a.cc.split("."))
     ptxas = find_ptxas()
     # the kernel variants, the merge kernels, the plain kernels (local memory allowed)
-    specs = shipped_specs() + list(DTYPES) + plain_specs() + plain_bwd_specs() + bwd_specs()
+    specs = (shipped_specs() + list(DTYPES) + plain_specs() + plain_bwd_specs() + bwd_specs()
+             + mma_specs())
     folder = None if a.no_cache else CACHE
     digest = dependencies_digest(ptxas) if folder else None
     print(f"compiling {len(specs)} kernels for sm_{cc[0]}{cc[1]} with {ptxas}"

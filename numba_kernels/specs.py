@@ -13,6 +13,8 @@ from .compile_cache import jit
 from .convert import CONVERTERS
 from .flash_bwd import BwdSpec, bwd_kernel_source
 from .flash_fwd import ARGS, FASTMATH, KernelSpec, kernel_source
+from .flash_mma import MMA_ARGS, MmaSpec
+from .flash_mma import kernel_source as mma_kernel_source
 from .plain_bwd import DELTA_ARGS, DKDV_ARGS, DQ_ARGS, PlainBwdSpec
 from .plain_bwd import bwd_kernel_source as plain_bwd_source
 from .plain_fwd import PLAIN_ARGS, PlainSpec, plain_kernel_source
@@ -121,6 +123,12 @@ def plain_bwd_signature(spec):
     return arg_types(args, elem, elem)
 
 
+def mma_signature(spec):
+    """Argument types of the tensor-core kernel (flash_mma.py), C-contiguous arrays."""
+    elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
+    return arg_types(MMA_ARGS, elem, elem)
+
+
 def tuned_bwd_signature(spec):
     """Argument types of a tuned backward kernel (flash_bwd.py), C-contiguous arrays."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
@@ -177,6 +185,8 @@ def compile_ptx(spec, cc=(9, 0)):
         sig = plain_bwd_signature(spec)
     elif isinstance(spec, BwdSpec):
         fn, sig = bwd_kernel_source(spec), tuned_bwd_signature(spec)
+    elif isinstance(spec, MmaSpec):
+        fn, sig = mma_kernel_source(spec), mma_signature(spec)
     else:
         fn, sig = kernel_source(spec), signature(spec)
     return cuda.compile_ptx(fn, sig, cc=cc, fastmath=FASTMATH)[0]

@@ -35,7 +35,7 @@ import threading
 import numpy as np
 from numba import cuda
 
-from .convert import SIMULATOR, device_function, float32, float_to_bf16
+from .convert import SIMULATOR, bf16_to_float, device_function, float32, float_to_bf16
 
 LANES = 32
 FULL_MASK = 0xFFFFFFFF
@@ -134,9 +134,13 @@ def bits_value(bits, dtype):
     return float(np.uint32((int(bits) & 0xFFFF) << 16).view(np.float32))
 
 
-def unpack(reg, dtype):
-    """A 32-bit register -> its two values (low half first), float64."""
-    return bits_value(int(reg) & 0xFFFF, dtype), bits_value((int(reg) >> 16) & 0xFFFF, dtype)
+def unpack(regs, dtype):
+    """32-bit registers (any shape) -> their values (shape + (2,), low half first), float64."""
+    halves = np.asarray(regs, np.uint64).astype(np.uint32).view(np.uint16).reshape(
+        np.shape(regs) + (2,))
+    if dtype == "float16":
+        return halves.view(np.float16).astype(np.float64)
+    return (halves.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
 def mma_reference(a, b, c, dtype):
@@ -144,8 +148,7 @@ def mma_reference(a, b, c, dtype):
     (32, 4) float32. Products of 16-bit values are exact in float64 and the sum is rounded
     once to float32 (the hardware adds in an unspecified order with at least float32
     precision: within an ulp or so of this)."""
-    A = a_matrix(np.array([[unpack(r, dtype) for r in lane] for lane in a]))
-    B = b_matrix(np.array([[unpack(r, dtype) for r in lane] for lane in b]))
+    A, B = a_matrix(unpack(a, dtype)), b_matrix(unpack(b, dtype))
     C = c_matrix(np.asarray(c, np.float64))
     return c_registers((A @ B + C).astype(np.float32))
 
@@ -162,29 +165,35 @@ if SIMULATOR:
             self.values = [None] * lanes
             self.barrier = threading.Barrier(lanes, timeout=MEETING_TIMEOUT_S)
 
-    def _meet(key, lanes, lane, value):
+    def _meet(key, lanes, lane, value, combine):
+        """Every lane's value -> combine(values), computed once (by one lane) for all."""
         with _meetings_lock:
             meeting = _meetings.get(key)
             if meeting is None or meeting.barrier.broken or len(meeting.values) != lanes:
                 meeting = _meetings[key] = _Meeting(lanes)
         meeting.values[lane] = value
+        if meeting.barrier.wait() == 0:
+            meeting.result = combine(meeting.values)
         meeting.barrier.wait()
-        values = list(meeting.values)
-        meeting.barrier.wait()
-        return values
+        result = meeting.result
+        meeting.barrier.wait()  # every lane has its result: the meeting may be reused
+        return result
 
     @device_function
-    def _warp_values(value):
-        """(lane, every lane's value): the calling warp meets (1-D blocks)."""
+    def _warp_values(value, combine=list):
+        """(lane, combine(every lane's value)): the calling warp meets (1-D blocks)."""
         tid, threads = cuda.threadIdx.x, cuda.blockDim.x
         warp = tid // LANES
         key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, warp)
-        return tid % LANES, _meet(key, min(LANES, threads - warp * LANES), tid % LANES, value)
+        return tid % LANES, _meet(key, min(LANES, threads - warp * LANES), tid % LANES, value,
+                                  combine)
 
     def _mma(dtype, a, b, c):
-        lane, regs = _warp_values((a, b, c))
-        d = mma_reference([r[0] for r in regs], [r[1] for r in regs], [r[2] for r in regs],
-                          dtype)
+        def combine(regs):
+            return mma_reference([r[0] for r in regs], [r[1] for r in regs],
+                                 [r[2] for r in regs], dtype)
+
+        lane, d = _warp_values((a, b, c), combine)
         return tuple(float32(x) for x in d[lane])
 
     def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -194,16 +203,19 @@ if SIMULATOR:
         return _mma("bfloat16", (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
 
     def _ldmatrix(words, index, trans):
-        lane, addresses = _warp_values(int(index))
-        rows = np.empty((4, 8, 8), np.int64)
-        for m in range(4):
-            for r in range(8):
-                at = addresses[8 * m + r]
-                for w in range(4):
-                    word = int(words[at + w]) & 0xFFFFFFFF
-                    rows[m, r, 2 * w], rows[m, r, 2 * w + 1] = word & 0xFFFF, word >> 16
-        pairs = ldmatrix_rows(rows, trans)[lane]
-        return tuple(np.uint32(pack_bits(lo, hi)) for lo, hi in pairs)
+        def combine(addresses):
+            rows = np.empty((4, 8, 8), np.int64)
+            for m in range(4):
+                for r in range(8):
+                    at = addresses[8 * m + r]
+                    for w in range(4):
+                        word = int(words[at + w]) & 0xFFFFFFFF
+                        rows[m, r, 2 * w], rows[m, r, 2 * w + 1] = word & 0xFFFF, word >> 16
+            return [tuple(np.uint32(pack_bits(lo, hi)) for lo, hi in lane_pairs)
+                    for lane_pairs in ldmatrix_rows(rows, trans)]
+
+        lane, registers = _warp_values(int(index), combine)
+        return registers[lane]
 
     def ldmatrix_x4(words, index):
         return _ldmatrix(words, index, False)
@@ -214,6 +226,20 @@ if SIMULATOR:
     def shfl_xor(value, lane_mask):
         lane, values = _warp_values(value)
         return values[lane ^ lane_mask]
+
+    def shfl_idx(value, src_lane):
+        _, values = _warp_values(value)
+        return values[src_lane]
+
+    def unpack_f16(word):
+        word = int(word)
+        return (float32(bits_value(word & 0xFFFF, "float16")),
+                float32(bits_value(word >> 16 & 0xFFFF, "float16")))
+
+    def unpack_bf16(word):
+        word = int(word)
+        return (float32(bits_value(word & 0xFFFF, "bfloat16")),
+                float32(bits_value(word >> 16 & 0xFFFF, "bfloat16")))
 
     def pack_f16(lo, hi):
         return np.uint32(pack_bits(value_bits(lo, "float16"), value_bits(hi, "float16")))
@@ -325,6 +351,28 @@ else:
     @device_function
     def shfl_xor(value, lane_mask):
         return cuda.shfl_xor_sync(FULL_MASK, value, lane_mask)
+
+    @device_function
+    def shfl_idx(value, src_lane):
+        return cuda.shfl_sync(FULL_MASK, value, src_lane)
+
+    @intrinsic
+    def unpack_f16(typingctx, word):
+        """A register of two float16 values -> (low, high) as float32."""
+        sig = types.UniTuple(types.float32, 2)(word)
+
+        def codegen(context, builder, signature, args):
+            outs = _asm(builder, [F32, F32], "{ .reg .b16 l, h; mov.b32 {l, h}, $2; "
+                        "cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }", "=f,=f,r",
+                        [_u32(context, builder, signature.args[0], args[0])])
+            return context.make_tuple(builder, signature.return_type, outs)
+
+        return sig, codegen
+
+    @device_function
+    def unpack_bf16(word):
+        """A register of two bfloat16 values -> (low, high) as float32."""
+        return bf16_to_float(word & 0xFFFF), bf16_to_float(word >> 16)
 
     def _make_pack(kind):
         text = f"cvt.rn.{kind}x2.f32 $0, $1, $2;"  # $1 goes to the high half

@@ -6,7 +6,8 @@ claimed it is also called with return_lse=True and must then return (out, lse). 
 what it claims; cases that need anything else are reported "not claimed", not failed.
 
 Built-in adapters (imported lazily, by name): reference, numba, numba-plain,
-numba-tuned-backward (numba's forward, gradients from numba_kernels/flash_bwd.py), torch-math,
+numba-tuned-backward (numba's forward, gradients from numba_kernels/flash_bwd.py), numba-mma
+(the tensor-core forward of numba_kernels/flash_mma.py alone), torch-math,
 torch-efficient, torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn. Each states the
 conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
 causal_lower_right), flash-attn's causal is bottom-right; neither returns lse from these
@@ -129,6 +130,7 @@ def builtin(name):
     """A built-in adapter by name (see the module docstring)."""
     factories = {"reference": _reference, "numba": _numba, "numba-plain": lambda: _numba(True),
                  "numba-tuned-backward": lambda: _numba(backward="tuned"),
+                 "numba-mma": _numba_mma,
                  "flash-attn": _flash_attn}
     for backend in ("math", "efficient", "flash", "cudnn"):
         factories[f"torch-{backend}"] = lambda b=backend: _torch_sdpa(b)
@@ -211,6 +213,26 @@ def _numba(plain=False, backward="plain"):
                           version=f"numba-cuda {_version('numba_cuda')}"
                           + ("" if on_gpu else " (CUDA simulator)"), costs=costs,
                           grad=grad, differentiable=False)
+
+
+def _numba_mma():
+    """Our tensor-core kernel (numba_kernels/flash_mma.py) alone: float16 and bfloat16, head
+    dims multiples of 8 up to 128; forward only."""
+    from numba_kernels import mma_attention
+    from numba_kernels.convert import SIMULATOR
+    from numba_kernels.flash_mma import MMA_DTYPES, MMA_WIDTHS
+
+    on_gpu = not SIMULATOR
+    return Implementation("numba-mma", lambda q, k, v, **options: mma_attention(q, k, v,
+                                                                               **options),
+                          Supports(dtypes=MMA_DTYPES, max_head_dim=MMA_WIDTHS[-1],
+                                   head_dim_multiple=8),
+                          array="torch" if on_gpu else "numpy",
+                          device="cuda" if on_gpu else "cpu",
+                          version=f"numba-cuda {_version('numba_cuda')}"
+                          + ("" if on_gpu else " (CUDA simulator)"),
+                          # the simulator emulates each warp instruction with 32 threads
+                          timeout_s=120.0 if on_gpu else 900.0)
 
 
 BOTH = ("top_left", "bottom_right")

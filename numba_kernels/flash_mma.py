@@ -1,0 +1,394 @@
+"""The FlashAttention-2 forward on tensor cores, for float16 and bfloat16 inputs: the algorithm of
+reference/tiled.py with the products S = Q K^T and P V done by mma.sync (warp.py), float32
+accumulation throughout.
+
+    grid:    (query tiles of BLOCK_M = 64 rows, B * Hq)
+    block:   4 warps; warp w owns rows start_m + 16 w .. + 15 of the tile. In every fragment
+             lane = 4 g + t holds rows g and g + 8 of its warp's 16 (warp.py draws the layouts).
+    shared:  16-bit tiles, rows padded by 8 values (16 bytes) so that the 8 row addresses of an
+             ldmatrix fall in 8 different groups of 4 banks:
+               stage 0: K tile (BLOCK_N, D + 8), V tile (BLOCK_N, DV + 8)
+               stage 1: the same, where the Q tile (BLOCK_M, D + 8) lands first
+             Key tile j + 1 is copied into one stage by cp.async while tile j is read from the
+             other (double buffering).
+    registers (a lane): Q's fragments (D / 16 x 4 pairs), S and P (BLOCK_N / 8 x 4 floats), the
+             output accumulator acc (DV / 8 x 4 floats), and for its two rows m_i and l_i.
+
+Per key tile, per warp: S = Q K^T (ldmatrix of K, mma), scaled and masked per element as the
+SIMT kernel does (flash_fwd's masked_score); the online softmax on the fragments (a row's max
+and sum across the 4 lanes that hold it, by shuffles); P rounded to the input dtype in
+registers and multiplied by V (ldmatrix.trans of V, mma). A pair that takes no part has
+P = -0.0 (flash_fwd.NO_PART); when a V tile holds a NaN or an inf the block takes the slow
+path, which adds in float32 only the pairs that take part (0 * NaN would be NaN).
+"""
+import math
+from dataclasses import astuple, dataclass
+from functools import lru_cache
+
+from numba import cuda
+
+from . import warp
+from .convert import CONVERTERS, float32, int64, uint32
+from .flash_fwd import (F_LN2, NEG_INF, NO_PART, ZERO, ARGS, FASTMATH, check_parameters,
+                        kernel_part, key_range_device, key_tiles, make_masked_score,
+                        takes_part)
+from .compile_cache import jit
+
+MMA_ARGS = tuple(a for a in ARGS if a[0] not in ("n_tiles", "split_len"))
+MMA_ARG_NAMES = tuple(name for name, _, _ in MMA_ARGS)
+MMA_DTYPES = ("float16", "bfloat16")
+MMA_WIDTHS = (64, 128)  # head dims are zero-padded to one of these
+BLOCK_M, WARPS, BLOCK_N = 64, 4, 32
+PAD = 8  # 16-bit values after each shared row
+
+
+@dataclass(frozen=True)
+class MmaSpec:
+    """One compiled variant: padded head dims, input dtype, whether it reads a mask/bias."""
+
+    d: int
+    dv: int
+    dtype: str
+    has_mask: bool
+
+    def check(self):
+        if self.d not in MMA_WIDTHS or self.dv not in MMA_WIDTHS:
+            raise ValueError(f"MmaSpec: d and dv must be in {MMA_WIDTHS}, got {self}")
+        if self.dtype not in MMA_DTYPES:
+            raise ValueError(f"MmaSpec: dtype must be one of {MMA_DTYPES}, got {self.dtype!r}")
+
+    @property
+    def words(self):
+        """(row words of a Q/K tile, of a V tile, words of a stage, total shared words)."""
+        k_row, v_row = (self.d + PAD) // 2, (self.dv + PAD) // 2
+        stage = BLOCK_N * (k_row + v_row)
+        return k_row, v_row, stage, stage + max(stage, BLOCK_M * k_row)
+
+
+def mma_specs():
+    """Every variant the PTX report compiles."""
+    return [MmaSpec(d, dv, dtype, m) for d in MMA_WIDTHS for dv in MMA_WIDTHS
+            for dtype in MMA_DTYPES for m in (False, True)]
+
+
+def mma_width(d):
+    """The padded width for a head dim d, or None beyond the widest."""
+    return next((w for w in MMA_WIDTHS if w >= d), None)
+
+
+def mma_plan(pb):
+    """Why the tensor-core kernel does not apply to problem pb (reference.contract's), or
+    None: 16-bit inputs, head dims multiples of 8 (whole 16-byte copies) up to the widest."""
+    if pb.dtype not in MMA_DTYPES:
+        return f"dtype {pb.dtype}: it takes {' and '.join(MMA_DTYPES)}"
+    if pb.d % 8 or pb.dv % 8 or max(pb.d, pb.dv) > MMA_WIDTHS[-1]:
+        return (f"head dims D={pb.d}, Dv={pb.dv}: it takes multiples of 8 up to "
+                f"{MMA_WIDTHS[-1]}")
+    return None
+
+
+def make_copy_tile(ROWS, WIDTH, ROW_WORDS):
+    """copy_tile(words, at, x, start, n, width): rows start .. start + ROWS of x (16-bit values,
+    (N, width) with width % 8 == 0) to the shared tile at word `at`, 16 bytes a cp.async,
+    zeros past row n and column width. Not waited for here."""
+    CHUNKS = WIDTH // 8  # 16-byte pieces a row
+    THREADS = WARPS * 32
+
+    @kernel_part
+    def copy_tile(words, at, x, start, n, width):
+        tid = cuda.threadIdx.x
+        for it in range((ROWS * CHUNKS + THREADS - 1) // THREADS):
+            idx = tid + it * THREADS
+            if idx < ROWS * CHUNKS:
+                r, c = idx // CHUNKS, idx % CHUNKS
+                ok = start + r < n and c * 8 < width
+                row = start + r if ok else 0  # a valid address even where nothing is read
+                warp.cp_async16(words, at + r * ROW_WORDS + c * 4, x[row], c * 8 if ok else 0,
+                                16 if ok else 0)
+
+    return copy_tile
+
+
+def make_load_q_fragments(D, K_ROW):
+    @kernel_part
+    def load_q_fragments(words, at, q_frag, lane, w):
+        """This warp's 16 rows of the Q tile -> A fragments, 16 head-dim columns a step: lanes
+        8m .. 8m + 7 address rows (m % 2) * 8 + r, columns (m // 2) * 8 of the step."""
+        m, r = lane // 8, lane % 8
+        for kk in range(D // 16):
+            q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3] = warp.ldmatrix_x4(
+                words, at + (w * 16 + r + 8 * (m % 2)) * K_ROW + kk * 8 + 4 * (m // 2))
+
+    return load_q_fragments
+
+
+def make_scores(D, K_ROW, mma):
+    @kernel_part
+    def scores(words, at, q_frag, s, lane):
+        """S = Q K^T for this warp's 16 rows and the BLOCK_N keys, 16 keys x 16 columns a step:
+        one ldmatrix.x4 of K gives B fragments for keys 0..7 (matrices 0, 1) and 8..15 (2, 3)."""
+        m, r = lane // 8, lane % 8
+        for nb in range(BLOCK_N // 8):
+            for e in range(4):
+                s[nb, e] = ZERO
+        for n2 in range(BLOCK_N // 16):
+            for kk in range(D // 16):
+                b0, b1, b2, b3 = warp.ldmatrix_x4(
+                    words, at + (n2 * 16 + r + 8 * (m // 2)) * K_ROW + kk * 8 + 4 * (m % 2))
+                for half in range(2):
+                    nb = 2 * n2 + half
+                    s[nb, 0], s[nb, 1], s[nb, 2], s[nb, 3] = mma(
+                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3],
+                        b0 if half == 0 else b2, b1 if half == 0 else b3,
+                        s[nb, 0], s[nb, 1], s[nb, 2], s[nb, 3])
+
+    return scores
+
+
+def make_scale_and_mask(masked_score):
+    @kernel_part
+    def scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0, start_n,
+                       lo, hi, interior, n_q, lane):
+        """S * qk_scale (+ bias), -inf where a row does not see a key. Element e of n-block
+        nb is row row0 + 8 (e // 2), key start_n + 8 nb + 2 t + e % 2."""
+        t = lane % 4
+        for nb in range(BLOCK_N // 8):
+            for e in range(4):
+                half = e // 2
+                s[nb, e] = masked_score(s[nb, e] * qk_scale, mask, bias, mask_steps,
+                                        bias_steps, b, h, row0 + 8 * half,
+                                        start_n + 8 * nb + 2 * t + e % 2, lo[half], hi[half],
+                                        interior, n_q)
+
+    return scale_and_mask
+
+
+@kernel_part
+def row_max(x):
+    """The max over the 4 lanes that hold a row (lanes 4g .. 4g + 3)."""
+    x = max(x, warp.shfl_xor(x, 1))
+    return max(x, warp.shfl_xor(x, 2))
+
+
+def make_online_softmax(NB, VB):
+    @kernel_part
+    def online_softmax(s, m_i, l_i, acc):
+        """For each of the lane's two rows: m_new, alpha rescales l_i and acc, P =
+        exp2(S - m_new) in place of S (NO_PART where S = -inf). l_i holds this lane's part of
+        the row sum; the 4 parts are added once, at the end."""
+        for half in range(2):
+            tile_max = NEG_INF
+            for nb in range(NB):
+                tile_max = max(tile_max, max(s[nb, 2 * half], s[nb, 2 * half + 1]))
+            m_new = max(m_i[half], row_max(tile_max))
+            m_safe = ZERO if m_new == NEG_INF else m_new  # no key seen: no exp2(-inf + inf)
+            alpha = math.exp2(m_i[half] - m_safe)
+            row_sum = ZERO
+            for nb in range(NB):
+                for e in range(2 * half, 2 * half + 2):
+                    p = NO_PART if s[nb, e] == NEG_INF else math.exp2(s[nb, e] - m_safe)
+                    s[nb, e] = p
+                    row_sum += p
+            l_i[half] = l_i[half] * alpha + row_sum
+            for vb in range(VB):
+                acc[vb, 2 * half] *= alpha
+                acc[vb, 2 * half + 1] *= alpha
+            m_i[half] = m_new
+
+    return online_softmax
+
+
+def make_pv(DV, V_ROW, mma, pack):
+    @kernel_part
+    def pv(words, at, s, acc, lane):
+        """acc += P V, 16 keys a step: P's fragments of n-blocks 2 n2 and 2 n2 + 1 are the A
+        fragment of keys 16 n2 .. + 15 (packed to the input dtype); one ldmatrix.x4.trans of
+        V gives B fragments for 16 output columns (matrices 0, 1: columns 0..7; 2, 3: 8..15)."""
+        m, r = lane // 8, lane % 8
+        for n2 in range(BLOCK_N // 16):
+            a0 = pack(s[2 * n2, 0], s[2 * n2, 1])
+            a1 = pack(s[2 * n2, 2], s[2 * n2, 3])
+            a2 = pack(s[2 * n2 + 1, 0], s[2 * n2 + 1, 1])
+            a3 = pack(s[2 * n2 + 1, 2], s[2 * n2 + 1, 3])
+            for v2 in range(DV // 16):
+                b0, b1, b2, b3 = warp.ldmatrix_x4_trans(
+                    words, at + (n2 * 16 + r + 8 * (m % 2)) * V_ROW + v2 * 8 + 4 * (m // 2))
+                for half in range(2):
+                    vb = 2 * v2 + half
+                    acc[vb, 0], acc[vb, 1], acc[vb, 2], acc[vb, 3] = mma(
+                        a0, a1, a2, a3, b0 if half == 0 else b2, b1 if half == 0 else b3,
+                        acc[vb, 0], acc[vb, 1], acc[vb, 2], acc[vb, 3])
+
+    return pv
+
+
+def make_pv_seen_pairs(DV, V_ROW, unpack):
+    @kernel_part
+    def pv_seen_pairs(words, at, s, acc, lane):
+        """acc += P V in float32 adding only the pairs that take part (takes_part), for a V
+        tile holding a NaN or an inf: -0.0 * NaN would be NaN. Key by key, each lane fetches
+        the P of its two rows from the lane that holds it (4 g + (key % 8) // 2), element
+        key % 2 (+ 2 for row g + 8) of n-block key // 8. Rare."""
+        g, t = lane // 4, lane % 4
+        for key in range(BLOCK_N):  # a loop, not unrolled: S's element is picked by selects
+            for half in range(2):   # (an index computed at run time would put S in memory)
+                mine = ZERO
+                for nb in range(BLOCK_N // 8):
+                    for e in range(2):
+                        if nb == key // 8 and e == key % 2:
+                            mine = s[nb, 2 * half + e]
+                p = warp.shfl_idx(mine, 4 * g + key % 8 // 2)
+                if takes_part(p):
+                    for vb in range(DV // 8):
+                        v0, v1 = unpack(words[at + key * V_ROW + vb * 4 + t])
+                        acc[vb, 2 * half] += p * v0
+                        acc[vb, 2 * half + 1] += p * v1
+
+    return pv_seen_pairs
+
+
+def make_scan_tile(ROWS, WIDTH, ROW_WORDS, dtype):
+    """scan_tile(words, at): whether a 16-bit value that this thread copied into the tile at
+    `at` (copy_tile's chunks) is a NaN or an inf (its exponent bits all ones)."""
+    CHUNKS, THREADS = WIDTH // 8, WARPS * 32
+    LO = 0x7C00 if dtype == "float16" else 0x7F80  # the exponent bits of the low value
+    HI = LO << 16
+
+    @kernel_part
+    def scan_tile(words, at):
+        tid = cuda.threadIdx.x
+        bad = 0  # an int: syncthreads_or takes one
+        for it in range((ROWS * CHUNKS + THREADS - 1) // THREADS):
+            idx = tid + it * THREADS
+            if idx < ROWS * CHUNKS:
+                r, c = idx // CHUNKS, idx % CHUNKS
+                for w in range(4):
+                    x = words[at + r * ROW_WORDS + c * 4 + w]
+                    if (x & LO) == LO or (x & HI) == HI:
+                        bad = 1
+        return bad
+
+    return scan_tile
+
+
+def make_store_out(DV, store):
+    @kernel_part
+    def store_out(out, lse, m_i, l_i, acc, b, h, row0, n_q, dv, lane):
+        """out = acc / l and lse = (m_i + log2 l) * ln 2, l the sum of the 4 lanes' parts; a
+        row that saw no key: out = 0, lse = -inf."""
+        t = lane % 4
+        for half in range(2):
+            l_row = l_i[half]
+            l_row += warp.shfl_xor(l_row, 1)
+            l_row += warp.shfl_xor(l_row, 2)
+            empty = l_row == ZERO
+            inv_l = ZERO if empty else float32(1.0) / l_row
+            row = row0 + 8 * half
+            if row < n_q:
+                for vb in range(DV // 8):
+                    for e in range(2):
+                        col = vb * 8 + 2 * t + e
+                        if col < dv:
+                            out[b, h, row, col] = store(acc[vb, 2 * half + e] * inv_l)
+                if t == 0:
+                    lse[b, h, row] = NEG_INF if empty else (m_i[half] + math.log2(l_row)) * F_LN2
+
+    return store_out
+
+
+def kernel_source(spec):
+    """The kernel for variant `spec` as a Python function (for cuda.jit or compile_ptx)."""
+    spec.check()
+    D, DV = spec.d, spec.dv
+    K_ROW, V_ROW, STAGE, WORDS = spec.words
+    K_TILE = BLOCK_N * K_ROW  # words of the K tile: the V tile follows it in a stage
+    NB, VB, KSTEPS = BLOCK_N // 8, DV // 8, D // 16
+    mma = warp.mma_f16 if spec.dtype == "float16" else warp.mma_bf16
+    pack = warp.pack_f16 if spec.dtype == "float16" else warp.pack_bf16
+    unpack = warp.unpack_f16 if spec.dtype == "float16" else warp.unpack_bf16
+    copy_q, copy_k, copy_v = (make_copy_tile(BLOCK_M, D, K_ROW), make_copy_tile(BLOCK_N, D, K_ROW),
+                              make_copy_tile(BLOCK_N, DV, V_ROW))
+    scan_v = make_scan_tile(BLOCK_N, DV, V_ROW, spec.dtype)
+    load_q_fragments, scores = make_load_q_fragments(D, K_ROW), make_scores(D, K_ROW, mma)
+    scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}))
+    online_softmax = make_online_softmax(NB, VB)
+    pv, pv_seen_pairs = make_pv(DV, V_ROW, mma, pack), make_pv_seen_pairs(DV, V_ROW, unpack)
+    store_out = make_store_out(DV, CONVERTERS[spec.dtype][1])
+
+    def flash_mma(q, k, v, mask, bias, kv_lengths, out, lse, n_q, d, dv, group, heads_q,
+                  qk_scale, left, right, bottom_right, mask_steps, bias_steps):
+        words = cuda.shared.array(WORDS, uint32)  # two stages; Q lands in the second first
+        q_frag = cuda.local.array((KSTEPS, 4), uint32)  # this warp's rows of Q, A fragments
+        s = cuda.local.array((NB, 4), float32)  # S, then P, of the lane's fragment
+        acc = cuda.local.array((VB, 4), float32)  # running sum of exp2(s - m_i) * v
+        m_i = cuda.local.array(2, float32)  # running max, rows g and g + 8
+        l_i = cuda.local.array(2, float32)  # this lane's part of sum exp2(s - m_i)
+        lo = cuda.local.array(2, int64)  # each row's visible keys lo <= j < hi
+        hi = cuda.local.array(2, int64)
+
+        tid = cuda.threadIdx.x
+        w, lane = tid // 32, tid % 32
+        b, h = cuda.blockIdx.y // heads_q, cuda.blockIdx.y % heads_q
+        hk = h // group  # grouped-query attention: query head h reads key head h // group
+        start_m = cuda.blockIdx.x * BLOCK_M
+        row0 = start_m + w * 16 + lane // 4  # the lane's rows: row0 and row0 + 8
+        kv_len = int64(kv_lengths[b])
+        for half in range(2):
+            m_i[half], l_i[half] = NEG_INF, ZERO
+            lo[half], hi[half] = key_range_device(row0 + 8 * half, n_q, kv_len, left, right,
+                                                  bottom_right)
+        for vb in range(VB):
+            for e in range(4):
+                acc[vb, e] = ZERO
+        first, last, lo_last, hi_first = key_tiles(
+            start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
+            0, kv_len, BLOCK_N)
+
+        copy_q(words, STAGE, q[b, h], start_m, n_q, d)  # group: Q
+        warp.cp_async_commit()
+        if first < last:  # group: the first key tile, into stage 0
+            copy_k(words, 0, k[b, hk], first, last, d)
+            copy_v(words, K_TILE, v[b, hk], first, last, dv)
+        warp.cp_async_commit()
+        warp.cp_async_wait(1)  # this thread's part of Q has landed
+        cuda.syncthreads()  # Barrier: all of Q has landed.
+        load_q_fragments(words, STAGE, q_frag, lane, w)
+
+        stage = 0
+        for start_n in range(first, last, BLOCK_N):
+            # Barrier: every warp is done with the other stage (the last tile, or Q).
+            cuda.syncthreads()
+            if start_n + BLOCK_N < last:  # the next tile, into the other stage
+                at = (1 - stage) * STAGE
+                copy_k(words, at, k[b, hk], start_n + BLOCK_N, last, d)
+                copy_v(words, at + K_TILE, v[b, hk], start_n + BLOCK_N, last, dv)
+            warp.cp_async_commit()  # (empty at the last tile: one group an iteration)
+            warp.cp_async_wait(1)  # this tile's group has landed; the next may still fly
+            at = stage * STAGE
+            # Barrier: the tile has landed, and every thread knows whether a V value it
+            # copied is a NaN or an inf, so the whole block takes the same path.
+            bad = cuda.syncthreads_or(scan_v(words, at + K_TILE))
+            scores(words, at, q_frag, s, lane)
+            interior = start_n >= lo_last and start_n + BLOCK_N <= hi_first  # all rows see it
+            scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0,
+                           start_n, lo, hi, interior, n_q, lane)
+            online_softmax(s, m_i, l_i, acc)
+            if not bad:
+                pv(words, at + K_TILE, s, acc, lane)
+            else:
+                pv_seen_pairs(words, at + K_TILE, s, acc, lane)
+            stage = 1 - stage
+        warp.cp_async_wait(0)
+        store_out(out, lse, m_i, l_i, acc, b, h, row0, n_q, dv, lane)
+
+    return check_parameters(flash_mma, MMA_ARG_NAMES)
+
+
+def mma_kernel(spec):
+    """The compiled kernel of a variant (through the on-disk compile cache)."""
+    return _kernels(spec)
+
+
+@lru_cache(maxsize=32)
+def _kernels(spec):
+    return jit(kernel_source(spec), ("mma",) + astuple(spec), FASTMATH)

@@ -1,0 +1,58 @@
+"""The tensor-core kernel (numba_kernels/flash_mma.py) in the simulator, whose warp.py emulates
+mma.sync, ldmatrix, shuffles and cp.async lane by lane: verify's cases, one per feature (the
+simulator runs 32 threads an instruction: a few small cases only), and its refusals. The PTX
+gate (tests/test_ptx.py) compiles every variant for sm_90."""
+import numpy as np
+import pytest
+
+import verify  # noqa: F401  (selects the simulator on a machine without a GPU)
+from numba_kernels import flash_attention, mma_attention
+from numba_kernels.convert import SIMULATOR
+from verify.adapters import load
+from verify.cases import battery
+from verify.runner import run_case
+
+# (case, dtype): together every feature the adapter claims, both dtypes, a V tile holding NaN
+# (the slow path) and a partial key tile
+CASES = [
+    ("causal top_left 29x31", "float16"),
+    ("mask per head + GQA", "bfloat16"),
+    ("kv_lengths 0, 1, Nk", "float16"),
+    ("v:nan in keys some rows see (window=(3, 2))", "bfloat16"),
+    ("Dv != D", "float16"),
+    ("bias per head (B, Hq, Nq, Nk)", "bfloat16"),
+]
+
+
+@pytest.mark.long
+@pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on the GPU")
+@pytest.mark.parametrize("name,dtype", CASES)
+def test_mma_kernel_passes_verify_cases(name, dtype):
+    impl = load("numba-mma")
+    case = next(c for c in battery("quick", dtypes=(dtype,)) if c.name == name)
+    claimed, why = impl.supports.claims(case)
+    assert claimed, why
+    result = run_case(impl, case, seed=3)
+    assert result.verdict == "pass", result.detail
+
+
+@pytest.mark.parametrize("dtype,D,phrase", [
+    ("float32", 64, "dtype float32"),
+    ("float16", 12, "head dims D=12"),
+    ("float16", 136, "head dims D=136"),
+])
+def test_mma_kernel_names_what_it_does_not_take(dtype, D, phrase):
+    q = np.zeros((1, 1, 4, D), dtype)
+    with pytest.raises(ValueError, match=phrase):
+        mma_attention(q, q, q)
+
+
+def test_flash_attention_takes_the_kernel_by_name():
+    q = np.zeros((1, 1, 4, 16), np.float32)
+    with pytest.raises(ValueError, match="kernel must be 'simt' or 'mma', got 'tensor'"):
+        flash_attention(q, q, q, kernel="tensor")
+    with pytest.raises(ValueError, match="dtype float32"):
+        flash_attention(q, q, q, kernel="mma")
+    with pytest.raises(ValueError, match="no num_splits"):
+        flash_attention(q.astype(np.float16), q.astype(np.float16), q.astype(np.float16),
+                        kernel="mma", num_splits=2)
