@@ -109,6 +109,32 @@ def make_copy_tile(ROWS, WIDTH, ROW_WORDS):
     return copy_tile
 
 
+def make_copy_kv(copy_k, copy_v, K_TILE):
+    @kernel_part
+    def copy_kv(words, at, k, v, start, n, d, dv):
+        """The K and V tiles of keys start .. start + BLOCK_N to the stage at word `at`."""
+        copy_k(words, at, k, start, n, d)
+        copy_v(words, at + K_TILE, v, start, n, dv)
+
+    return copy_kv
+
+
+def make_init_rows(VB):
+    @kernel_part
+    def init_rows(m_i, l_i, acc, lo, hi, row0, n_q, kv_len, left, right, bottom_right):
+        """For the lane's rows row0 and row0 + 8: m_i = -inf, l_i = 0, acc = 0, and the keys
+        lo <= j < hi each sees (the contract's key_range)."""
+        for half in range(2):
+            m_i[half], l_i[half] = NEG_INF, ZERO
+            lo[half], hi[half] = key_range_device(row0 + 8 * half, n_q, kv_len, left, right,
+                                                  bottom_right)
+        for vb in range(VB):
+            for e in range(4):
+                acc[vb, e] = ZERO
+
+    return init_rows
+
+
 def make_load_q_fragments(D, K_ROW):
     @kernel_part
     def load_q_fragments(words, at, q_frag, lane, w):
@@ -306,8 +332,10 @@ def kernel_source(spec):
     mma = warp.mma_f16 if spec.dtype == "float16" else warp.mma_bf16
     pack = warp.pack_f16 if spec.dtype == "float16" else warp.pack_bf16
     unpack = warp.unpack_f16 if spec.dtype == "float16" else warp.unpack_bf16
-    copy_q, copy_k, copy_v = (make_copy_tile(BLOCK_M, D, K_ROW), make_copy_tile(BLOCK_N, D, K_ROW),
-                              make_copy_tile(BLOCK_N, DV, V_ROW))
+    copy_q = make_copy_tile(BLOCK_M, D, K_ROW)
+    copy_kv = make_copy_kv(make_copy_tile(BLOCK_N, D, K_ROW), make_copy_tile(BLOCK_N, DV, V_ROW),
+                           K_TILE)
+    init_rows = make_init_rows(VB)
     scan_v = make_scan_tile(BLOCK_N, DV, V_ROW, spec.dtype)
     load_q_fragments, scores = make_load_q_fragments(D, K_ROW), make_scores(D, K_ROW, mma)
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}))
@@ -333,13 +361,7 @@ def kernel_source(spec):
         start_m = cuda.blockIdx.x * BLOCK_M
         row0 = start_m + w * 16 + lane // 4  # the lane's rows: row0 and row0 + 8
         kv_len = int64(kv_lengths[b])
-        for half in range(2):
-            m_i[half], l_i[half] = NEG_INF, ZERO
-            lo[half], hi[half] = key_range_device(row0 + 8 * half, n_q, kv_len, left, right,
-                                                  bottom_right)
-        for vb in range(VB):
-            for e in range(4):
-                acc[vb, e] = ZERO
+        init_rows(m_i, l_i, acc, lo, hi, row0, n_q, kv_len, left, right, bottom_right)
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
             0, kv_len, BLOCK_N)
@@ -347,8 +369,7 @@ def kernel_source(spec):
         copy_q(words, STAGE, q[b, h], start_m, n_q, d)  # group: Q
         warp.cp_async_commit()
         if first < last:  # group: the first key tile, into stage 0
-            copy_k(words, 0, k[b, hk], first, last, d)
-            copy_v(words, K_TILE, v[b, hk], first, last, dv)
+            copy_kv(words, 0, k[b, hk], v[b, hk], first, last, d, dv)
         warp.cp_async_commit()
         warp.cp_async_wait(1)  # this thread's part of Q has landed
         cuda.syncthreads()  # Barrier: all of Q has landed.
@@ -359,9 +380,8 @@ def kernel_source(spec):
             # Barrier: every warp is done with the other stage (the last tile, or Q).
             cuda.syncthreads()
             if start_n + BLOCK_N < last:  # the next tile, into the other stage
-                at = (1 - stage) * STAGE
-                copy_k(words, at, k[b, hk], start_n + BLOCK_N, last, d)
-                copy_v(words, at + K_TILE, v[b, hk], start_n + BLOCK_N, last, dv)
+                copy_kv(words, (1 - stage) * STAGE, k[b, hk], v[b, hk], start_n + BLOCK_N,
+                        last, d, dv)
             warp.cp_async_commit()  # (empty at the last tile: one group an iteration)
             warp.cp_async_wait(1)  # this tile's group has landed; the next may still fly
             at = stage * STAGE
