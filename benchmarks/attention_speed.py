@@ -3,7 +3,8 @@
     python benchmarks/attention_speed.py [--out DIR] [--n 1024,2048,...] [--dtypes ...]
                                          [--sweep] [--budget-s 600]
 
-On the same inputs, in one run: our kernel, torch SDPA forced to each backend (flash,
+On the same inputs, in one run: our kernel (numba: the SIMT kernel; numba-mma: the tensor-core
+kernel, 16-bit dtypes), torch SDPA forced to each backend (flash,
 efficient, cudnn, math), and the fp32 matrix-product ceiling (torch, TF32 off). Shapes
 (B, H, N, D) = (4, 16, N, 64) and (2, 16, N, 128), causal and not, per dtype; decoding shapes
 (Nq = 1, Nk up to 32768, B * H = 64), with and without split-KV. CUDA events, warm-up,
@@ -93,6 +94,10 @@ def run_shape(rows, dtype, B, Hq, Hk, Nq, Nk, D, causal, impls, ceiling, spec=No
     if "numba" in impls:
         calls[label] = lambda: flash_attention(q, k, v, causal="top_left" if causal else False,
                                                spec=spec, num_splits=num_splits)
+    if "numba-mma" in impls and dtype != "float32" and spec is None and D % 8 == 0 \
+            and D <= 128 and num_splits is None:
+        calls["numba-mma"] = lambda: flash_attention(
+            q, k, v, causal="top_left" if causal else False, kernel="mma")
     for name in impls:
         if name in BACKENDS and Hq == Hk:
             calls[name] = sdpa(BACKENDS[name], q, k, v, causal)
@@ -172,7 +177,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--n", default="1024,2048,4096,8192,16384")
     ap.add_argument("--dtypes", default="float32,float16,bfloat16")
-    ap.add_argument("--impls", default="numba,flash,efficient,cudnn,math")
+    ap.add_argument("--impls", default="numba,numba-mma,flash,efficient,cudnn,math")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--decode-first", action="store_true",
                     help="time the decoding shapes before the others (not after)")

@@ -294,8 +294,8 @@ def device_functions(spec):
             make_scores(scores_sizes(z, tk, tq, K_AT, K_W, Q_AT, Q_W)),
             make_scores(scores_sizes(z, tk, tq, V_AT, V_W, DO_AT, DO_W)),
             make_kv_probabilities(z, masked_score),
-            make_pv(pv_sizes(z, tk, spec.dv, BLOCK_M, P_AT, P_W, DO_AT, DO_W))[0],
-            make_pv(pv_sizes(z, tk, spec.d, BLOCK_M, DS_AT, P_W, Q_AT, Q_W))[0],
+            make_pv(pv_sizes(z, tk, spec.dv, BLOCK_M, P_AT, P_W, DO_AT, DO_W)),
+            make_pv(pv_sizes(z, tk, spec.d, BLOCK_M, DS_AT, P_W, Q_AT, Q_W)),
             make_kv_seen_products(z),
             make_store_rows(z, store, tk, spec.d), make_store_rows(z, store, tk, spec.dv))
     tq, tk = BLOCK_M // z["THREADS_M"], BLOCK_N // z["THREADS_N"]  # S = Q K^T, dP = dO V^T
@@ -303,7 +303,7 @@ def device_functions(spec):
         make_scores(scores_sizes(z, tq, tk, Q_AT, Q_W, K_AT, K_W)),
         make_scores(scores_sizes(z, tq, tk, DO_AT, DO_W, V_AT, V_W)),
         make_q_probabilities(z, masked_score),
-        make_pv(pv_sizes(z, tq, spec.d, BLOCK_N, DS_AT, P_W, K_AT, K_W))[0],
+        make_pv(pv_sizes(z, tq, spec.d, BLOCK_N, DS_AT, P_W, K_AT, K_W)),
         make_q_seen_products(z), make_store_rows(z, store, tq, spec.d))
 
 

@@ -444,10 +444,10 @@ def make_online_softmax(z):
 
 
 def make_pv(z):
-    """(pv, pv_seen_keys): acc += P V for the thread's TM x TV micro-tile, from the P and V
-    tiles in shared memory."""
+    """pv: acc += P V for the thread's TM x TV micro-tile, from the P and V tiles in shared
+    memory (the backward's products use it too, with its own sizes: flash_bwd.pv_sizes)."""
     TM, TV, V_GROUP = z["TM"], z["TV"], z["V_GROUP"]
-    BLOCK_N, THREADS_M, THREADS_N, TN = z["BLOCK_N"], z["THREADS_M"], z["THREADS_N"], z["TN"]
+    THREADS_M, THREADS_N = z["THREADS_M"], z["THREADS_N"]
     V_W, P_W = z["WIDTHS"][2:4]
     KV_AT, P_AT = z["OFFSETS"][1:3]
 
@@ -475,6 +475,16 @@ def make_pv(z):
                     for j in range(TV):
                         acc[i, j] += frag[i, e] * v_cols[j]
 
+    return pv
+
+
+def make_pv_seen_keys(z):
+    """pv_seen_keys: pv for a V tile holding a NaN or an inf."""
+    TM, TN, TV, V_GROUP = z["TM"], z["TN"], z["TV"], z["V_GROUP"]
+    BLOCK_N, THREADS_M, THREADS_N = z["BLOCK_N"], z["THREADS_M"], z["THREADS_N"]
+    V_W, P_W = z["WIDTHS"][2:4]
+    KV_AT, P_AT = z["OFFSETS"][1:3]
+
     @kernel_part
     def pv_seen_keys(words, acc, v_cols, s, ty_u, tx_u):
         """The same for a V tile holding a NaN or an inf, adding only the pairs that take
@@ -500,7 +510,7 @@ def make_pv(z):
                     for j in range(TV):
                         acc[i, j] += p * v_cols[j]
 
-    return pv, pv_seen_keys
+    return pv_seen_keys
 
 
 def make_store_out(z, store):
@@ -558,7 +568,7 @@ def device_functions(spec):
         store = CONVERTERS["float32"][1]
     Q_W, K_W, V_W = z["WIDTHS"][:3]
     masked_score = make_masked_score(z)
-    pv, pv_seen_keys = make_pv(z)
+    pv, pv_seen_keys = make_pv(z), make_pv_seen_keys(z)
     # Each batch of tile loads waits for global memory once; larger batches cost registers
     # (specs.LOAD_BATCH chooses them per variant).
     return (tile_loader(load, spec.block_m, spec.d, spec.threads, Q_W, spec.qk_load_batch),

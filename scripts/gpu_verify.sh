@@ -19,7 +19,7 @@ pack() {
 trap pack EXIT
 trap 'exit 143' TERM INT
 STEPS=${STEPS:-ab check verify broken findings scale}
-IMPLS=${IMPLS:-numba torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
+IMPLS=${IMPLS:-numba numba-mma torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
 SCALE_IMPLS=${SCALE_IMPLS:-numba torch-efficient}
 BACKWARD_IMPLS=${BACKWARD_IMPLS:-numba torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
 step() { [[ " $STEPS " == *" $1 "* ]]; }

@@ -69,6 +69,15 @@ flash_attention(r(1, 1, 40, 256, dt=torch.float16), r(1, 1, 70, 256, dt=torch.fl
 flash_attention(r(1, 3, 33, 40), r(1, 1, 65, 40), r(1, 1, 65, 24))
 flash_attention(r(2, 4, 1, 64, dt=torch.float16), r(2, 4, 900, 64, dt=torch.float16),
                 r(2, 4, 900, 64, dt=torch.float16), num_splits=5, causal="bottom_right")
+# the tensor-core kernel: cp.async double buffering, ldmatrix, a partial last key tile, a
+# V tile holding NaN (the slow path), Dv != D
+vn = r(1, 2, 150, 64, dt=torch.bfloat16)
+vn[0, 0, 70] = float("nan")
+flash_attention(r(1, 4, 100, 128, dt=torch.bfloat16), r(1, 2, 150, 128, dt=torch.bfloat16),
+                vn, causal="bottom_right", mask=m[:1, :, :100, :77].repeat(1, 1, 1, 2)[..., :150],
+                kernel="mma")
+flash_attention(r(2, 2, 200, 64, dt=torch.float16), r(2, 2, 77, 64, dt=torch.float16),
+                r(2, 2, 77, 64, dt=torch.float16), window=(9, 3), kernel="mma")
 torch.cuda.synchronize()
 print("sanitize launches done")
 """
