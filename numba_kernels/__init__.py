@@ -7,10 +7,10 @@ Read plain_fwd.py (one thread per query row, the textbook kernel) beside referen
 then flash_fwd.py (the same algorithm, tuned). The backward: plain_bwd.py beside
 reference/tiled_backward.py, then flash_bwd.py (tuned: flash_attention_backward(kernel="tuned")).
 """
-from .api import flash_attention, mma_attention, plain_attention
+from .api import flash_attention, kernel_plan, mma_attention, plain_attention
 from .backward import flash_attention_backward
 from .launch import compile_times
 from .specs import MAX_HEAD_DIM, choose_spec, shipped_specs
 
-__all__ = ["flash_attention", "mma_attention", "plain_attention", "flash_attention_backward", "choose_spec",
+__all__ = ["flash_attention", "kernel_plan", "mma_attention", "plain_attention", "flash_attention_backward", "choose_spec",
            "compile_times", "shipped_specs", "MAX_HEAD_DIM"]

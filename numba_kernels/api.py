@@ -46,9 +46,11 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     num_splits: split the keys into this many ranges, one block each, merged by lse
     (split_kv.py); None chooses: splits only when the query tiles alone leave the GPU's SMs
     idle (decoding). spec: a KernelSpec that forces one variant (for benchmarks); by default
-    specs.choose_spec picks it. kernel: "simt" (flash_fwd.py, every dtype) or "mma" (the
-    tensor-core kernel of flash_mma.py: float16 and bfloat16, head dims multiples of 8 up
-    to 128, no split-KV; a ValueError says why where it does not apply).
+    specs.choose_spec picks it. kernel: "simt" (flash_fwd.py, every dtype; the default until
+    the tensor-core kernel is certified on a GPU), "mma" (flash_mma.py: float16 and
+    bfloat16, head dims multiples of 8 up to 128, no split-KV; a ValueError says why where
+    it does not apply) or "auto" (the tensor-core kernel where it applies, else simt);
+    kernel_plan tells which one a call gets, and why.
     """
     if type(q).__module__.startswith("torch") and spec is None:
         from . import autograd
@@ -63,15 +65,40 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
                    num_splits=num_splits, spec=spec, kernel=kernel)
 
 
+KERNELS = ("simt", "mma", "auto")
+
+
+def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
+                window=None, num_splits=None, spec=None, kernel="simt"):
+    """(kernel, why): which forward kernel flash_attention runs for these arguments, "simt"
+    (flash_fwd.py) or "mma" (flash_mma.py), and why. kernel="auto" takes the tensor-core
+    kernel where it applies (float16 and bfloat16, head dims multiples of 8 up to 128, no
+    spec and no split-KV asked for) and says why not where it falls back; "mma" raises
+    ValueError with that reason instead."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "simt":
+        return "simt", "asked for"
+    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                              kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
+    why_not = mma_plan(pb)
+    if why_not is None and (spec is not None or num_splits not in (None, 1)):
+        why_not = ("a spec or num_splits was given: the tensor-core kernel has one variant "
+                   "per dtype and head dims, and no split-KV")
+    if why_not is None:
+        return "mma", "asked for" if kernel == "mma" else "16-bit inputs it takes"
+    if kernel == "mma":
+        raise ValueError(f"kernel='mma': {why_not}")
+    return "simt", f"the tensor-core kernel does not apply: {why_not}"
+
+
 def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
             window=None, return_lse=False, num_splits=None, spec=None, kernel="simt"):
     """flash_attention without autograd: the kernels' launch."""
-    if kernel not in ("simt", "mma"):
-        raise ValueError(f"kernel must be 'simt' or 'mma', got {kernel!r}")
-    if kernel == "mma":
-        if spec is not None or num_splits not in (None, 1):
-            raise ValueError("kernel='mma' takes no spec and no num_splits: the tensor-core "
-                             "kernel has one variant per dtype and head dims, and no split-KV")
+    chosen, _ = kernel_plan(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                            kv_lengths=kv_lengths, window=window, num_splits=num_splits,
+                            spec=spec, kernel=kernel)
+    if chosen == "mma":
         return mma_attention(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                              kv_lengths=kv_lengths, window=window, return_lse=return_lse)
     if num_splits is not None and (isinstance(num_splits, bool)

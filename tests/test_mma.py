@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import verify  # noqa: F401  (selects the simulator on a machine without a GPU)
-from numba_kernels import flash_attention, mma_attention
+from numba_kernels import flash_attention, kernel_plan, mma_attention
 from numba_kernels.convert import SIMULATOR
 from verify.adapters import load
 from verify.cases import battery
@@ -49,10 +49,26 @@ def test_mma_kernel_names_what_it_does_not_take(dtype, D, phrase):
 
 def test_flash_attention_takes_the_kernel_by_name():
     q = np.zeros((1, 1, 4, 16), np.float32)
-    with pytest.raises(ValueError, match="kernel must be 'simt' or 'mma', got 'tensor'"):
+    with pytest.raises(ValueError, match="kernel must be one of .*, got 'tensor'"):
         flash_attention(q, q, q, kernel="tensor")
-    with pytest.raises(ValueError, match="dtype float32"):
+    with pytest.raises(ValueError, match="kernel='mma': dtype float32"):
         flash_attention(q, q, q, kernel="mma")
-    with pytest.raises(ValueError, match="no num_splits"):
-        flash_attention(q.astype(np.float16), q.astype(np.float16), q.astype(np.float16),
-                        kernel="mma", num_splits=2)
+    h = q.astype(np.float16)
+    with pytest.raises(ValueError, match="num_splits was given"):
+        flash_attention(h, h, h, kernel="mma", num_splits=2)
+
+
+@pytest.mark.parametrize("dtype,D,options,want,phrase", [
+    ("float16", 64, {}, "mma", "16-bit inputs"),
+    ("bfloat16", 128, dict(causal="top_left"), "mma", "16-bit inputs"),
+    ("float32", 64, {}, "simt", "dtype float32"),
+    ("float16", 40 + 1, {}, "simt", "head dims D=41"),
+    ("float16", 256, {}, "simt", "up to 128"),
+    ("float16", 64, dict(num_splits=3), "simt", "no split-KV"),
+])
+def test_auto_takes_the_tensor_core_kernel_where_it_applies_and_says_why_not(
+        dtype, D, options, want, phrase):
+    from reference.dtypes import numpy_dtype
+    q = np.zeros((1, 1, 4, D), numpy_dtype(dtype))
+    kernel, why = kernel_plan(q, q, q, kernel="auto", **options)
+    assert kernel == want and phrase in why, (kernel, why)
