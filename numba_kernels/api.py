@@ -73,8 +73,9 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
     """(kernel, why): which forward kernel flash_attention runs for these arguments, "simt"
     (flash_fwd.py) or "mma" (flash_mma.py), and why. kernel="auto" takes the tensor-core
     kernel where it applies (float16 and bfloat16, head dims multiples of 8 up to 128, no
-    spec and no split-KV asked for) and says why not where it falls back; "mma" raises
-    ValueError with that reason instead."""
+    spec and no split-KV asked for, and not a decoding shape that the SIMT kernel would
+    split) and says why not where it falls back; "mma" raises ValueError with that
+    reason instead."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "simt":
@@ -85,11 +86,22 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
     if why_not is None and (spec is not None or num_splits not in (None, 1)):
         why_not = ("a spec or num_splits was given: the tensor-core kernel has one variant "
                    "per dtype and head dims, and no split-KV")
+    if why_not is None and kernel == "auto" and _would_split(pb):
+        why_not = ("too few query tiles to fill the GPU (decoding): the SIMT kernel splits "
+                   "the keys, the tensor-core kernel has no split-KV")
     if why_not is None:
         return "mma", "asked for" if kernel == "mma" else "16-bit inputs it takes"
     if kernel == "mma":
         raise ValueError(f"kernel='mma': {why_not}")
     return "simt", f"the tensor-core kernel does not apply: {why_not}"
+
+
+def _would_split(pb):
+    """Whether the SIMT kernel would split the keys of problem pb (split_kv.choose_splits
+    with the tensor-core kernel's grid): its query tiles alone leave SMs idle."""
+    blocks = -(-pb.n_q // MMA_BLOCK_M) * pb.batch * pb.heads_q
+    tiles = choose_spec(pb.d, pb.dv, pb.dtype, False)
+    return blocks > 0 and choose_splits(blocks, pb.n_k, tiles.block_n, _sm_count())[0] > 1
 
 
 def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,

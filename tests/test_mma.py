@@ -72,3 +72,14 @@ def test_auto_takes_the_tensor_core_kernel_where_it_applies_and_says_why_not(
     q = np.zeros((1, 1, 4, D), numpy_dtype(dtype))
     kernel, why = kernel_plan(q, q, q, kernel="auto", **options)
     assert kernel == want and phrase in why, (kernel, why)
+
+
+def test_auto_leaves_decoding_to_the_simt_kernel_where_it_would_split(monkeypatch):
+    """One query row against many keys: the SIMT kernel splits the keys across the SMs."""
+    from numba_kernels import api
+    monkeypatch.setattr(api, "_sm_count", lambda: 132)  # an H200 (the simulator says 1)
+    q, k = np.zeros((2, 8, 1, 128), np.float16), np.zeros((2, 8, 32768, 128), np.float16)
+    assert kernel_plan(q, k, k, kernel="auto")[0] == "simt"
+    assert "decoding" in kernel_plan(q, k, k, kernel="auto")[1]
+    q = np.zeros((2, 16, 4096, 128), np.float16)
+    assert kernel_plan(q, q, q, kernel="auto")[0] == "mma"
