@@ -18,6 +18,17 @@ The kernels are public Numba CUDA. Two things need more, and only this module re
    that question for one compile. Only the gate's own worker processes use it: a device
    function keeps what it compiled for the rest of its process.
 
+4. The simulator's shared arrays. numba.cuda.simulator.kernelapi.FakeCUDAShared.array makes a
+   block's shared array at the first call from a source line: a dict lookup, then a store,
+   with no lock. A thread switch between the two gives two threads two different "shared"
+   arrays, and the block then computes wrong rows (seen once in a full test run: 95 of 1024
+   outputs wrong, right on the repeat). `_lock_simulator_shared_arrays` (at import, in the
+   simulator) puts the lookup and the store under one lock.
+5. Poisoned memory in the simulator (tests). The simulator makes shared and local arrays with
+   numba.cuda.simulator.kernelapi's `np.empty`, whatever memory held before; `poisoned_memory()`
+   fills them with NaN (integers: -12345) instead, so that a kernel reading an element it
+   never wrote gives a wrong answer every time, not only when the memory happens to hold one.
+
 TESTED_WITH names the numba-cuda versions these were tested against; pyproject.toml pins the
 same range. At import, PROBLEM is None when the internals look as expected, or says what
 changed; then every launch takes Numba's public path, and the first one that would have
@@ -100,6 +111,52 @@ def numba_cuda_version():
     except Exception:  # noqa: BLE001 - not installed as a distribution
         return "unknown"
 
+
+def _lock_simulator_shared_arrays():
+    """FakeCUDAShared.array under a lock (item 4 of the module docstring). Raises
+    InternalsChanged if the method is not there to wrap."""
+    import sys
+
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+
+    array = getattr(getattr(kernelapi, "FakeCUDAShared", None), "array", None)
+    if array is None or "_allocations" not in inspect.getsource(kernelapi.FakeCUDAShared):
+        raise InternalsChanged("numba.cuda.simulator.kernelapi.FakeCUDAShared.array is not "
+                               "what _lock_simulator_shared_arrays wraps")
+    if getattr(array, "locked", False):
+        return
+    import traceback
+
+    from numba.np import numpy_support
+
+    lock = threading.Lock()
+
+    def locked_array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory, or the error
+            return array(self, shape, dtype, alignment)
+        # The same key as the original: the calling line (file, line number).
+        caller = tuple(traceback.extract_stack(sys._getframe(1), limit=1)[0])[0:2]
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = kernelapi.np.empty(shape, dtype)
+        return res
+
+    locked_array.locked = True
+    kernelapi.FakeCUDAShared.array = locked_array
+
+
+def _in_simulator():
+    from .convert import SIMULATOR
+
+    return SIMULATOR
+
+
+if _in_simulator():
+    _lock_simulator_shared_arrays()
 
 PROBLEM = _check()
 if PROBLEM is None and numba_cuda_version() not in TESTED_WITH:
@@ -220,3 +277,34 @@ def compiling_for(cc):
             yield
         finally:
             dispatcher.get_current_device = current
+
+
+@contextmanager
+def poisoned_memory():
+    """Inside this block, the simulator's new shared and local arrays start as NaN (integer
+    arrays -12345; unsigned, their largest value). Simulator only; not thread-safe against
+    other simulated launches."""
+    import numpy as np
+    from numba.cuda.simulator import kernelapi
+
+    if getattr(kernelapi, "np", None) is not np:
+        raise InternalsChanged("numba.cuda.simulator.kernelapi no longer makes its arrays "
+                               "with its own `np` (poisoned_memory needs it)")
+
+    class Poisoning:
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def empty(shape, dtype=float, *args, **kwargs):
+            x = np.empty(shape, dtype, *args, **kwargs)
+            kind = np.dtype(dtype).kind
+            x.fill(np.nan if kind in "fc" else -12345 if kind == "i"
+                   else np.iinfo(dtype).max if kind == "u" else 0)
+            return x
+
+    kernelapi.np = Poisoning()
+    try:
+        yield
+    finally:
+        kernelapi.np = np
