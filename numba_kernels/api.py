@@ -222,7 +222,7 @@ def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
         spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype,
                        mask is not None or bias is not None)
         mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
-        launch(mma_kernel(spec), ("mma",) + tuple(vars(spec).values()),
+        launch(mma_kernel(spec), spec,
                (-(-pb.n_q // MMA_BLOCK_M), pb.batch * pb.heads_q), 128, io.stream,
                *kernel_args(MMA_ARG_NAMES, q=io.dev(q), k=io.dev(k), v=io.dev(v),
                             mask=mask_dev, bias=bias_dev, kv_lengths=lengths,

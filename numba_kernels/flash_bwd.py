@@ -174,6 +174,16 @@ def make_kv_probabilities(z, masked_score):
     return probabilities
 
 
+def make_column(group, threads_n):
+    """column(tx_u, j): the shared-memory column of a thread's j-th output column in `pv`'s
+    layout (groups of `group` side by side, consecutive threads taking consecutive groups)."""
+    @kernel_part
+    def column(tx_u, j):
+        return tx_u * uint64(group) + uint64(j // group * threads_n * group + j % group)
+
+    return column
+
+
 def make_kv_seen_products(z):
     """seen_products(...): dV += P^T dO and dK += dS^T Q adding only the (row, key) pairs
     that take part (P not NO_PART), for a query tile whose Q or dO holds a NaN or an inf
@@ -181,7 +191,7 @@ def make_kv_seen_products(z):
     TK, TD, TDV = z["BLOCK_N"] // z["THREADS_M"], z["D"] // z["THREADS_N"], \
         z["DV"] // z["THREADS_N"]
     BLOCK_M, THREADS_M, THREADS_N = z["BLOCK_M"], z["THREADS_M"], z["THREADS_N"]
-    G_D, G_DV = (VEC if t % VEC == 0 else 1 for t in (TD, TDV))
+    col_d, col_dv = (make_column(VEC if t % VEC == 0 else 1, THREADS_N) for t in (TD, TDV))
     _, _, Q_W, DO_W, P_W = z["WIDTHS"]
     _, _, Q_AT, DO_AT, P_AT, DS_AT = z["OFFSETS"][:6]
 
@@ -194,12 +204,9 @@ def make_kv_seen_products(z):
                 if takes_part(p):
                     ds = words[DS_AT + key * uint64(P_W) + uint64(m)]
                     for j in range(TDV):
-                        c = tx_u * uint64(G_DV) + uint64(j // G_DV * THREADS_N * G_DV
-                                                         + j % G_DV)
-                        dv_acc[i, j] += p * words[DO_AT + uint64(m * DO_W) + c]
+                        dv_acc[i, j] += p * words[DO_AT + uint64(m * DO_W) + col_dv(tx_u, j)]
                     for j in range(TD):
-                        c = tx_u * uint64(G_D) + uint64(j // G_D * THREADS_N * G_D + j % G_D)
-                        dk_acc[i, j] += ds * words[Q_AT + uint64(m * Q_W) + c]
+                        dk_acc[i, j] += ds * words[Q_AT + uint64(m * Q_W) + col_d(tx_u, j)]
 
     return seen_products
 
@@ -257,7 +264,7 @@ def make_q_seen_products(z):
     -inf: 0 * inf = NaN). Rare, so not unrolled."""
     TQ, TD = z["BLOCK_M"] // z["THREADS_M"], z["D"] // z["THREADS_N"]
     BLOCK_N, THREADS_M, THREADS_N = z["BLOCK_N"], z["THREADS_M"], z["THREADS_N"]
-    G = VEC if TD % VEC == 0 else 1
+    column = make_column(VEC if TD % VEC == 0 else 1, THREADS_N)
     K_W, P_W = z["WIDTHS"][0], z["WIDTHS"][4]
     K_AT, P_AT, DS_AT = z["OFFSETS"][0], z["OFFSETS"][4], z["OFFSETS"][5]
 
@@ -270,8 +277,7 @@ def make_q_seen_products(z):
                 if takes_part(p):
                     ds = words[DS_AT + r * uint64(P_W) + uint64(n)]
                     for j in range(TD):
-                        c = tx_u * uint64(G) + uint64(j // G * THREADS_N * G + j % G)
-                        dq_acc[i, j] += ds * words[K_AT + uint64(n * K_W) + c]
+                        dq_acc[i, j] += ds * words[K_AT + uint64(n * K_W) + column(tx_u, j)]
 
     return seen_products
 

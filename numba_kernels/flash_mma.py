@@ -404,11 +404,7 @@ def kernel_source(spec):
     return check_parameters(flash_mma, MMA_ARG_NAMES)
 
 
+@lru_cache(maxsize=32)
 def mma_kernel(spec):
     """The compiled kernel of a variant (through the on-disk compile cache)."""
-    return _kernels(spec)
-
-
-@lru_cache(maxsize=32)
-def _kernels(spec):
     return jit(kernel_source(spec), ("mma",) + astuple(spec), FASTMATH)
