@@ -324,8 +324,8 @@ def test_no_kernel_reads_shared_or_local_memory_it_did_not_write(impl):
     names = ("mask empty rows", "kv_lengths 0, 1, Nk", "v:nan in keys some rows see")
     cases = [c for c in battery("quick", dtypes=(dtype,)) if c.name.startswith(names)]
     cases += [c for c in edge_cases(dtype) if "45x31" in c.name or "9x33" in c.name]
-    if impl == "numba-mma":  # 32 threads an instruction in the simulator: two cases
-        cases = [c for c in cases if c.name.startswith("v:nan") or "9x33" in c.name]
+    if impl == "numba-mma":  # 32 threads an instruction in the simulator: one case
+        cases = [c for c in cases if "9x33" in c.name]
     implementation = load(impl)
     with poisoned_memory():
         for case in cases:
