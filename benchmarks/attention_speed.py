@@ -5,7 +5,7 @@
 
 On the same inputs, in one run: our kernel (numba: the SIMT kernel; numba-mma: the tensor-core
 kernel, 16-bit dtypes), torch SDPA forced to each backend (flash,
-efficient, cudnn, math), and the fp32 matrix-product ceiling (torch, TF32 off). Shapes
+efficient, cudnn, math), and the fp32 (TF32 off) and bf16 matrix-product ceilings (torch). Shapes
 (B, H, N, D) = (4, 16, N, 64) and (2, 16, N, 128), causal and not, per dtype; decoding shapes
 (Nq = 1, Nk up to 32768, B * H = 64), with and without split-KV. CUDA events, warm-up,
 median of repeats (about 0.3 s of repeats each, at least 3), inputs redrawn per shape.
@@ -77,9 +77,10 @@ def sdpa(backend, q, k, v, causal):
     return call
 
 
-def fp32_ceiling():
+def matmul_ceiling(dtype=torch.float32):
+    """TFLOP/s of torch's 8192^3 matrix product in dtype (float32 with TF32 off)."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    a, b = torch.randn(8192, 8192, device="cuda"), torch.randn(8192, 8192, device="cuda")
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=dtype) for _ in range(2))
     ms, _ = time_ms(lambda: a @ b)
     return 2 * 8192**3 / ms / 1e9
 
@@ -185,8 +186,10 @@ def main():
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     t_start = time.time()
-    ceiling = fp32_ceiling()
-    print(f"{torch.cuda.get_device_name()}: fp32 matmul ceiling (TF32 off) {ceiling:.1f} TF/s")
+    ceiling = matmul_ceiling()
+    bf16_ceiling = matmul_ceiling(torch.bfloat16)
+    print(f"{torch.cuda.get_device_name()}: matmul ceilings: fp32 (TF32 off) {ceiling:.1f} TF/s, "
+          f"bf16 {bf16_ceiling:.1f} TF/s")
     rows = []
     if a.sweep:
         sweep(rows, ceiling)
@@ -205,7 +208,7 @@ def main():
         decode(rows, impls, ceiling)
     with open(os.path.join(a.out, "attention_speed.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), fp32_ceiling_tflops=ceiling,
-                       rows=rows), f, indent=1)
+                       bf16_ceiling_tflops=bf16_ceiling, rows=rows), f, indent=1)
     plot(rows, os.path.join(a.out, "attention_speed.png"))
     print(f"\nfp32 ceiling {ceiling:.1f} TF/s; {len(rows)} measurements in "
           f"{time.time() - t_start:.0f} s")
