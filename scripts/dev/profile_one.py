@@ -1,7 +1,8 @@
-"""One launch of the kernel for a profiler: python scripts/dev/profile_one.py D [N] [dtype].
+"""One launch of a kernel for a profiler: python scripts/dev/profile_one.py D [N] [dtype] [kernel].
 
 Launches flash_attention twice on (B, 16, N, D) inputs, B * D = 256 (the benchmark's shapes):
 the first launch compiles, so profile the second (ncu --launch-skip 1 --launch-count 1).
+kernel: flash_attention's kernel= (simt, the default, or mma).
 """
 import os
 import sys
@@ -14,8 +15,9 @@ from numba_kernels import flash_attention  # noqa: E402
 D = int(sys.argv[1])
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
 dtype = getattr(torch, sys.argv[3] if len(sys.argv) > 3 else "float32")
+kernel = sys.argv[4] if len(sys.argv) > 4 else "simt"
 q, k, v = (torch.randn(256 // D, 16, N, D, device="cuda", dtype=dtype) for _ in range(3))
 for _ in range(2):
-    flash_attention(q, k, v)
+    flash_attention(q, k, v, kernel=kernel)
 torch.cuda.synchronize()
-print("profiled shape", tuple(q.shape), dtype)
+print("profiled shape", tuple(q.shape), dtype, kernel)
