@@ -12,8 +12,9 @@ from reference.dtypes import TRANSPORT, numpy_dtype, transported
 from .convert import SIMULATOR
 from .flash_fwd import LOG2E, kernel_args
 from .launch import launch
-from .flash_mma import BLOCK_M as MMA_BLOCK_M
-from .flash_mma import MMA_ARG_NAMES, MmaSpec, mma_kernel, mma_plan, mma_width as pad_mma
+from .flash_mma import (BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, MMA_ARG_NAMES,
+                        SCAN_THREADS, MmaSpec, ScanSpec, mma_kernel, mma_plan,
+                        mma_width as pad_mma, scan_kernel)
 from .plain_fwd import PLAIN_ARG_NAMES, plain_kernel, plain_tiles
 from .specs import (DTYPES, MAX_HEAD_DIM, build_kernel, build_merge, choose_spec, launch_grid,
                     pad)
@@ -222,10 +223,16 @@ def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
         spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype,
                        mask is not None or bias is not None)
         mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
+        v_dev, key_tiles = io.dev(v), max(1, -(-pb.n_k // MMA_BLOCK_N))
+        v_flags = io.scratch((pb.batch, pb.heads_k, key_tiles))
+        if pb.n_k > 0:  # which V tiles hold a NaN or an inf (the kernel's slow path)
+            scan = ScanSpec(pb.dtype)
+            launch(scan_kernel(scan), scan, (key_tiles, pb.batch * pb.heads_k), SCAN_THREADS,
+                   io.stream, v_dev, v_flags)
         launch(mma_kernel(spec), spec,
                (-(-pb.n_q // MMA_BLOCK_M), pb.batch * pb.heads_q), 128, io.stream,
-               *kernel_args(MMA_ARG_NAMES, q=io.dev(q), k=io.dev(k), v=io.dev(v),
-                            mask=mask_dev, bias=bias_dev, kv_lengths=lengths,
+               *kernel_args(MMA_ARG_NAMES, q=io.dev(q), k=io.dev(k), v=v_dev,
+                            mask=mask_dev, bias=bias_dev, kv_lengths=lengths, v_flags=v_flags,
                             out=io.dev(out), lse=io.dev(lse), n_q=pb.n_q, d=pb.d, dv=pb.dv,
                             group=pb.group, heads_q=pb.heads_q, **_band(pb), **steps))
     out, lse = io.result(out), io.result(lse)
@@ -297,6 +304,10 @@ class _NumpyIO:
     def empty(self, shape, dtype):
         return _Pending(shape, dtype)
 
+    def scratch(self, shape):
+        """uint8 on the device, for the kernels' own use: never copied back."""
+        return cuda.device_array(shape, np.uint8)
+
     def mask(self, mask):
         if mask is None:
             return cuda.to_device(np.ones((1, 1, 1, 1), np.uint8)), (0, 0, 0, 0)
@@ -353,6 +364,9 @@ class _TorchIO:
 
     def empty(self, shape, dtype):
         return self.torch.empty(shape, dtype=getattr(self.torch, dtype), device=self.device)
+
+    def scratch(self, shape):
+        return self.torch.empty(shape, dtype=self.torch.uint8, device=self.device)
 
     def mask(self, mask):
         if mask is None:

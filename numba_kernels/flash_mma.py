@@ -34,11 +34,15 @@ from .flash_fwd import (F_LN2, NEG_INF, NO_PART, ZERO, ARGS, FASTMATH, check_par
                         takes_part)
 from .compile_cache import jit
 
-MMA_ARGS = tuple(a for a in ARGS if a[0] not in ("n_tiles", "split_len"))
+V_FLAGS = ("v_flags", "flags", "(B, Hk, key tiles) uint8: 1 where a V tile holds a NaN or an "
+           "inf (the pre-pass nonfinite_tiles)")
+MMA_ARGS = tuple(x for a in ARGS if a[0] not in ("n_tiles", "split_len")
+                 for x in ((V_FLAGS, a) if a[0] == "out" else (a,)))  # flags before out
 MMA_ARG_NAMES = tuple(name for name, _, _ in MMA_ARGS)
 MMA_DTYPES = ("float16", "bfloat16")
 MMA_WIDTHS = (64, 128)  # head dims are zero-padded to one of these
 BLOCK_M, WARPS, BLOCK_N = 64, 4, 32
+ONE = float32(1.0)
 PAD = 8  # 16-bit values after each shared row
 
 
@@ -66,9 +70,9 @@ class MmaSpec:
 
 
 def mma_specs():
-    """Every variant the PTX report compiles."""
+    """Every variant the PTX report compiles: the kernels and the pre-passes."""
     return [MmaSpec(d, dv, dtype, m) for d in MMA_WIDTHS for dv in MMA_WIDTHS
-            for dtype in MMA_DTYPES for m in (False, True)]
+            for dtype in MMA_DTYPES for m in (False, True)] + [ScanSpec(t) for t in MMA_DTYPES]
 
 
 def mma_width(d):
@@ -88,33 +92,36 @@ def mma_plan(pb):
 
 
 def make_copy_tile(ROWS, WIDTH, ROW_WORDS):
-    """copy_tile(words, at, x, start, n, width): rows start .. start + ROWS of x (16-bit values,
-    (N, width) with width % 8 == 0) to the shared tile at word `at`, 16 bytes a cp.async,
-    zeros past row n and column width. Not waited for here."""
+    """copy_tile(words, at, x, base, start, n, width): rows start .. start + ROWS of the
+    (n, width) matrix at flat element `base` of x (C-contiguous 16-bit values, width % 8 == 0)
+    to the shared tile at word `at`, 16 bytes a cp.async, zeros past row n and column width.
+    Thread tid copies chunk tid % CHUNKS of rows tid // CHUNKS + p * ROWS_AT_ONCE. Not waited
+    for here."""
     CHUNKS = WIDTH // 8  # 16-byte pieces a row
     THREADS = WARPS * 32
+    ROWS_AT_ONCE = THREADS // CHUNKS  # rows the block copies in one pass
+    PASSES = ROWS // ROWS_AT_ONCE
+    assert THREADS % CHUNKS == 0 and ROWS % ROWS_AT_ONCE == 0
 
     @kernel_part
-    def copy_tile(words, at, x, start, n, width):
+    def copy_tile(words, at, x, base, start, n, width):
         tid = cuda.threadIdx.x
-        for it in range((ROWS * CHUNKS + THREADS - 1) // THREADS):
-            idx = tid + it * THREADS
-            if idx < ROWS * CHUNKS:
-                r, c = idx // CHUNKS, idx % CHUNKS
-                ok = start + r < n and c * 8 < width
-                row = start + r if ok else 0  # a valid address even where nothing is read
-                warp.cp_async16(words, at + r * ROW_WORDS + c * 4, x[row], c * 8 if ok else 0,
-                                16 if ok else 0)
+        r, c = tid // CHUNKS, tid % CHUNKS
+        src = base + (start + r) * width + c * 8  # flat element of pass 0
+        for p in range(PASSES):
+            ok = c * 8 < width and start + r + p * ROWS_AT_ONCE < n
+            warp.cp_async16(words, at + (r + p * ROWS_AT_ONCE) * ROW_WORDS + c * 4, x,
+                            src + p * ROWS_AT_ONCE * width if ok else base, 16 if ok else 0)
 
     return copy_tile
 
 
 def make_copy_kv(copy_k, copy_v, K_TILE):
     @kernel_part
-    def copy_kv(words, at, k, v, start, n, d, dv):
+    def copy_kv(words, at, k, v, k_base, v_base, start, n, d, dv):
         """The K and V tiles of keys start .. start + BLOCK_N to the stage at word `at`."""
-        copy_k(words, at, k, start, n, d)
-        copy_v(words, at + K_TILE, v, start, n, dv)
+        copy_k(words, at, k, k_base, start, n, d)
+        copy_v(words, at + K_TILE, v, v_base, start, n, dv)
 
     return copy_kv
 
@@ -198,28 +205,38 @@ def row_max(x):
 
 def make_online_softmax(NB, VB):
     @kernel_part
+    def row_update(s, m_i, l_i, half):
+        """Row g + 8 half of the lane: m_new, P = exp2(S - m_new) in place of S (NO_PART where
+        S = -inf), l_i rescaled plus this lane's part of the row sum (the 4 parts are added
+        once, at the end); returns alpha = exp2(m_old - m_new), the factor for acc."""
+        tile_max = NEG_INF
+        for nb in range(NB):
+            tile_max = max(tile_max, max(s[nb, 2 * half], s[nb, 2 * half + 1]))
+        m_new = max(m_i[half], row_max(tile_max))
+        m_safe = ZERO if m_new == NEG_INF else m_new  # no key seen: no exp2(-inf + inf)
+        alpha = math.exp2(m_i[half] - m_safe)
+        row_sum = ZERO
+        for nb in range(NB):
+            for e in range(2 * half, 2 * half + 2):
+                p = math.exp2(s[nb, e] - m_safe)  # 0 where S = -inf, marked next
+                s[nb, e] = NO_PART if s[nb, e] == NEG_INF else p
+                row_sum += s[nb, e]
+        l_i[half] = l_i[half] * alpha + row_sum
+        m_i[half] = m_new
+        return alpha
+
+    @kernel_part
     def online_softmax(s, m_i, l_i, acc):
-        """For each of the lane's two rows: m_new, alpha rescales l_i and acc, P =
-        exp2(S - m_new) in place of S (NO_PART where S = -inf). l_i holds this lane's part of
-        the row sum; the 4 parts are added once, at the end."""
-        for half in range(2):
-            tile_max = NEG_INF
-            for nb in range(NB):
-                tile_max = max(tile_max, max(s[nb, 2 * half], s[nb, 2 * half + 1]))
-            m_new = max(m_i[half], row_max(tile_max))
-            m_safe = ZERO if m_new == NEG_INF else m_new  # no key seen: no exp2(-inf + inf)
-            alpha = math.exp2(m_i[half] - m_safe)
-            row_sum = ZERO
-            for nb in range(NB):
-                for e in range(2 * half, 2 * half + 2):
-                    p = NO_PART if s[nb, e] == NEG_INF else math.exp2(s[nb, e] - m_safe)
-                    s[nb, e] = p
-                    row_sum += p
-            l_i[half] = l_i[half] * alpha + row_sum
+        """Both rows of the lane, then acc rescaled by their alphas: skipped where both are
+        exactly 1 (the row maxima did not move: most key tiles after the first few)."""
+        alpha0 = row_update(s, m_i, l_i, 0)
+        alpha1 = row_update(s, m_i, l_i, 1)
+        if alpha0 != ONE or alpha1 != ONE:
             for vb in range(VB):
-                acc[vb, 2 * half] *= alpha
-                acc[vb, 2 * half + 1] *= alpha
-            m_i[half] = m_new
+                acc[vb, 0] *= alpha0
+                acc[vb, 1] *= alpha0
+                acc[vb, 2] *= alpha1
+                acc[vb, 3] *= alpha1
 
     return online_softmax
 
@@ -273,28 +290,44 @@ def make_pv_seen_pairs(DV, V_ROW, unpack):
     return pv_seen_pairs
 
 
-def make_scan_tile(ROWS, WIDTH, ROW_WORDS, dtype):
-    """scan_tile(words, at): whether a 16-bit value that this thread copied into the tile at
-    `at` (copy_tile's chunks) is a NaN or an inf (its exponent bits all ones)."""
-    CHUNKS, THREADS = WIDTH // 8, WARPS * 32
-    LO = 0x7C00 if dtype == "float16" else 0x7F80  # the exponent bits of the low value
-    HI = LO << 16
+SCAN_THREADS = 128
 
-    @kernel_part
-    def scan_tile(words, at):
-        tid = cuda.threadIdx.x
+
+@dataclass(frozen=True)
+class ScanSpec:
+    """The pre-pass of one input dtype: which V tiles hold a NaN or an inf."""
+
+    dtype: str
+
+
+def scan_source(spec):
+    """nonfinite_tiles(v, v_flags): v_flags[b, h, t] = 1 where keys t BLOCK_N .. + BLOCK_N - 1
+    of V's head (b, h) hold a NaN or an inf, else 0. One block a tile; V is read once, so the
+    main kernel tests one flag a tile instead of scanning every tile it copies."""
+    load = CONVERTERS[spec.dtype][0]
+
+    def nonfinite_tiles(v, v_flags):
+        t = cuda.blockIdx.x
+        heads, n_k, dv = v.shape[1], v.shape[2], v.shape[3]
+        b, h = cuda.blockIdx.y // heads, cuda.blockIdx.y % heads
         bad = 0  # an int: syncthreads_or takes one
-        for it in range((ROWS * CHUNKS + THREADS - 1) // THREADS):
-            idx = tid + it * THREADS
-            if idx < ROWS * CHUNKS:
-                r, c = idx // CHUNKS, idx % CHUNKS
-                for w in range(4):
-                    x = words[at + r * ROW_WORDS + c * 4 + w]
-                    if (x & LO) == LO or (x & HI) == HI:
-                        bad = 1
-        return bad
+        for i in range(cuda.threadIdx.x, BLOCK_N * dv, SCAN_THREADS):
+            key = t * BLOCK_N + i // dv
+            if key < n_k:
+                x = load(v[b, h, key, i % dv])
+                if math.isnan(x) or math.isinf(x):
+                    bad = 1
+        bad = cuda.syncthreads_or(bad)
+        if cuda.threadIdx.x == 0:
+            v_flags[b, h, t] = bad
 
-    return scan_tile
+    return nonfinite_tiles
+
+
+@lru_cache(maxsize=4)
+def scan_kernel(spec):
+    """The compiled pre-pass of a ScanSpec (through the on-disk compile cache)."""
+    return jit(scan_source(spec), ("mma-scan", spec.dtype), FASTMATH)
 
 
 def make_store_out(DV, store):
@@ -336,15 +369,14 @@ def kernel_source(spec):
     copy_kv = make_copy_kv(make_copy_tile(BLOCK_N, D, K_ROW), make_copy_tile(BLOCK_N, DV, V_ROW),
                            K_TILE)
     init_rows = make_init_rows(VB)
-    scan_v = make_scan_tile(BLOCK_N, DV, V_ROW, spec.dtype)
     load_q_fragments, scores = make_load_q_fragments(D, K_ROW), make_scores(D, K_ROW, mma)
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}))
     online_softmax = make_online_softmax(NB, VB)
     pv, pv_seen_pairs = make_pv(DV, V_ROW, mma, pack), make_pv_seen_pairs(DV, V_ROW, unpack)
     store_out = make_store_out(DV, CONVERTERS[spec.dtype][1])
 
-    def flash_mma(q, k, v, mask, bias, kv_lengths, out, lse, n_q, d, dv, group, heads_q,
-                  qk_scale, left, right, bottom_right, mask_steps, bias_steps):
+    def flash_mma(q, k, v, mask, bias, kv_lengths, v_flags, out, lse, n_q, d, dv, group,
+                  heads_q, qk_scale, left, right, bottom_right, mask_steps, bias_steps):
         words = cuda.shared.array(WORDS, uint32)  # two stages; Q lands in the second first
         q_frag = cuda.local.array((KSTEPS, 4), uint32)  # this warp's rows of Q, A fragments
         s = cuda.local.array((NB, 4), float32)  # S, then P, of the lane's fragment
@@ -358,6 +390,10 @@ def kernel_source(spec):
         w, lane = tid // 32, tid % 32
         b, h = cuda.blockIdx.y // heads_q, cuda.blockIdx.y % heads_q
         hk = h // group  # grouped-query attention: query head h reads key head h // group
+        heads_k, n_k = k.shape[1], k.shape[2]
+        q_base = (int64(b) * heads_q + h) * n_q * d  # flat offsets of the head's matrices
+        k_base = (int64(b) * heads_k + hk) * n_k * d
+        v_base = (int64(b) * heads_k + hk) * n_k * dv
         start_m = cuda.blockIdx.x * BLOCK_M
         row0 = start_m + w * 16 + lane // 4  # the lane's rows: row0 and row0 + 8
         kv_len = int64(kv_lengths[b])
@@ -366,10 +402,10 @@ def kernel_source(spec):
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
             0, kv_len, BLOCK_N)
 
-        copy_q(words, STAGE, q[b, h], start_m, n_q, d)  # group: Q
+        copy_q(words, STAGE, q, q_base, start_m, n_q, d)  # group: Q
         warp.cp_async_commit()
         if first < last:  # group: the first key tile, into stage 0
-            copy_kv(words, 0, k[b, hk], v[b, hk], first, last, d, dv)
+            copy_kv(words, 0, k, v, k_base, v_base, first, last, d, dv)
         warp.cp_async_commit()
         warp.cp_async_wait(1)  # this thread's part of Q has landed
         cuda.syncthreads()  # Barrier: all of Q has landed.
@@ -377,28 +413,25 @@ def kernel_source(spec):
 
         stage = 0
         for start_n in range(first, last, BLOCK_N):
-            # Barrier: every warp is done with the other stage (the last tile, or Q).
+            warp.cp_async_wait(0)  # this thread's copies of this tile have landed
+            # Barrier: every thread's copies of this tile have landed, and every warp is done
+            # with the other stage (the last tile, or Q), which the next copy overwrites.
             cuda.syncthreads()
             if start_n + BLOCK_N < last:  # the next tile, into the other stage
-                copy_kv(words, (1 - stage) * STAGE, k[b, hk], v[b, hk], start_n + BLOCK_N,
+                copy_kv(words, (1 - stage) * STAGE, k, v, k_base, v_base, start_n + BLOCK_N,
                         last, d, dv)
-            warp.cp_async_commit()  # (empty at the last tile: one group an iteration)
-            warp.cp_async_wait(1)  # this tile's group has landed; the next may still fly
+                warp.cp_async_commit()
             at = stage * STAGE
-            # Barrier: the tile has landed, and every thread knows whether a V value it
-            # copied is a NaN or an inf, so the whole block takes the same path.
-            bad = cuda.syncthreads_or(scan_v(words, at + K_TILE))
             scores(words, at, q_frag, s, lane)
             interior = start_n >= lo_last and start_n + BLOCK_N <= hi_first  # all rows see it
             scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0,
                            start_n, lo, hi, interior, n_q, lane)
             online_softmax(s, m_i, l_i, acc)
-            if not bad:
+            if v_flags[b, hk, start_n // BLOCK_N] == 0:  # the pre-pass's flag: one per tile
                 pv(words, at + K_TILE, s, acc, lane)
-            else:
+            else:  # a NaN or an inf in this V tile (the same path for the whole block)
                 pv_seen_pairs(words, at + K_TILE, s, acc, lane)
             stage = 1 - stage
-        warp.cp_async_wait(0)
         store_out(out, lse, m_i, l_i, acc, b, h, row0, n_q, dv, lane)
 
     return check_parameters(flash_mma, MMA_ARG_NAMES)

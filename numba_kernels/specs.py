@@ -13,7 +13,7 @@ from .compile_cache import jit
 from .convert import CONVERTERS
 from .flash_bwd import BwdSpec, bwd_kernel_source
 from .flash_fwd import ARGS, FASTMATH, KernelSpec, kernel_source
-from .flash_mma import MMA_ARGS, MmaSpec
+from .flash_mma import MMA_ARGS, MmaSpec, ScanSpec, scan_source
 from .flash_mma import kernel_source as mma_kernel_source
 from .plain_bwd import DELTA_ARGS, DKDV_ARGS, DQ_ARGS, PlainBwdSpec
 from .plain_bwd import bwd_kernel_source as plain_bwd_source
@@ -106,6 +106,7 @@ def arg_types(args, elem, out_elem):
 
     kinds = {"input": array(elem, 4), "output": array(out_elem, 4), "mask": array(uint8, 4),
              "bias": array(float32, 4), "lengths": array(int32, 1), "lse": array(float32, 3),
+             "flags": array(uint8, 3),
              "int": int64, "float": float32, "steps": UniTuple(int64, 4)}
     return tuple(kinds[kind] for _, kind, _ in args)
 
@@ -127,6 +128,11 @@ def mma_signature(spec):
     """Argument types of the tensor-core kernel (flash_mma.py), C-contiguous arrays."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
     return arg_types(MMA_ARGS, elem, elem)
+
+
+def scan_signature(spec):
+    """Argument types of the tensor-core kernel's pre-pass (flash_mma.scan_source)."""
+    return (_NUMBA_TYPES[CONVERTERS[spec.dtype][2]][:, :, :, ::1], uint8[:, :, ::1])
 
 
 def tuned_bwd_signature(spec):
@@ -187,6 +193,8 @@ def compile_ptx(spec, cc=(9, 0)):
         fn, sig = bwd_kernel_source(spec), tuned_bwd_signature(spec)
     elif isinstance(spec, MmaSpec):
         fn, sig = mma_kernel_source(spec), mma_signature(spec)
+    elif isinstance(spec, ScanSpec):
+        fn, sig = scan_source(spec), scan_signature(spec)
     else:
         fn, sig = kernel_source(spec), signature(spec)
     return cuda.compile_ptx(fn, sig, cc=cc, fastmath=FASTMATH)[0]

@@ -254,10 +254,9 @@ if SIMULATOR:
 
     def cp_async16(words, w_index, src, s_index, n_bytes):
         """Read now (the inputs do not change during a kernel), written when waited for."""
-        values = [int(src[s_index + e]) if np.issubdtype(np.asarray(src[s_index]).dtype,
-                                                         np.integer)
-                  else int(np.float16(src[s_index + e]).view(np.uint16))
-                  for e in range(n_bytes // 2)] + [0] * (8 - n_bytes // 2)
+        flat = np.asarray(src).reshape(-1)  # s_index: a flat element index (C order)
+        bits = flat[s_index:s_index + n_bytes // 2].view(np.uint16)
+        values = [int(x) for x in bits] + [0] * (8 - n_bytes // 2)
         _groups().open.append((words, w_index, values))
 
     def cp_async_commit():
@@ -294,7 +293,8 @@ else:
         return context.cast(builder, value, ty, types.uint32)
 
     def _address(context, builder, array_type, array, index_type, index):
-        """The generic address of array[index] (1-D, C-contiguous) as a 64-bit integer."""
+        """The generic address of flat element `index` of a C-contiguous array, as a 64-bit
+        integer."""
         data = context.make_array(array_type)(context, builder, array).data
         at = builder.gep(data, [context.cast(builder, index, index_type, types.intp)])
         return builder.ptrtoint(at, I64)
@@ -394,10 +394,12 @@ else:
 
     @intrinsic
     def cp_async16(typingctx, words, w_index, src, s_index, n_bytes):
-        """16 bytes from src[s_index:] (global, 16-bit values) to words[w_index:] (shared,
-        uint32), zero-filled past n_bytes (0 or 16 here)."""
+        """16 bytes from flat element s_index of src (global, 16-bit values, C-contiguous, any
+        number of dimensions) to words[w_index:] (shared, uint32), zero-filled past n_bytes
+        (0 or 16 here)."""
         if not (isinstance(words, types.Array) and words.dtype == types.uint32
-                and isinstance(src, types.Array) and src.dtype.bitwidth == 16):
+                and isinstance(src, types.Array) and src.dtype.bitwidth == 16
+                and src.layout == "C"):
             return None
         sig = types.void(words, w_index, src, s_index, n_bytes)
 

@@ -1,0 +1,38 @@
+"""The working tree's tensor-core forward against an older copy of the package, side by side.
+
+    cp -r numba_kernels _ab_mma_old      # at the older commit (git worktree or checkout)
+    python scripts/dev/ab_mma.py
+
+Both through their own mma_attention (each version's whole call: checks, launches, the
+pre-pass where a version has one), on the same inputs. Medians of CUDA events, alternating
+old and new three times; the largest difference between the two outputs as a sanity check.
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import _ab_mma_old as old  # noqa: E402
+import numba_kernels as new  # noqa: E402
+from benchmarks.attention_speed import DTYPES, time_ms  # noqa: E402
+
+SHAPES = [(2, 16, 8192, 128, "float16", False), (2, 16, 8192, 128, "bfloat16", False),
+          (4, 16, 4096, 64, "float16", False), (4, 16, 8192, 64, "bfloat16", False),
+          (2, 16, 8192, 128, "float16", True), (2, 16, 1024, 128, "float16", False)]
+
+print(f"{'shape':44s} {'old ms':>8s} {'new ms':>8s} {'new/old':>7s} {'TF/s new':>8s} max|diff|")
+for B, H, N, D, dtype, causal in SHAPES:
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=DTYPES[dtype]) for _ in range(3))
+    c = "top_left" if causal else False
+    runs = {"old": lambda: old.mma_attention(q, k, v, causal=c),
+            "new": lambda: new.mma_attention(q, k, v, causal=c)}
+    diff = (runs["old"]().float() - runs["new"]().float()).abs().max().item()
+    times = {"old": [], "new": []}
+    for _ in range(3):
+        for name, run in runs.items():
+            times[name].append(time_ms(run)[0])
+    o, n = min(times["old"]), min(times["new"])
+    tf = 4 * B * H * N * N * D / (2 if causal else 1) / n / 1e9
+    print(f"{str((B, H, N, D, dtype, causal)):44s} {o:8.3f} {n:8.3f} {n / o:7.3f} {tf:8.1f} "
+          f"{diff:.1e}", flush=True)
