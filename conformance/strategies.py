@@ -37,9 +37,10 @@ def cases(draw, impl, limits, *, values=None, mask=None, causal=None, kv_lengths
     Nq = pick(nq, lengths(limits["max_n"], "Nq"), "Nq")
     Nk = pick(nk, lengths(limits["max_n"], "Nk"), "Nk")
     d_max = min(limits["max_d"], s.max_head_dim)
-    D = draw(st.sampled_from([d for d in HEAD_DIMS if d <= d_max]), label="D")
-    Dv = draw(st.sampled_from([D] + ([d for d in HEAD_DIMS if d <= d_max and d != D]
-                                     if s.dv_differs else [])), label="Dv")
+    dims = [d for d in HEAD_DIMS if d <= d_max and d % s.head_dim_multiple == 0]
+    D = draw(st.sampled_from(dims), label="D")
+    Dv = draw(st.sampled_from([D] + ([d for d in dims if d != D] if s.dv_differs else [])),
+              label="Dv")
     Hk = draw(st.integers(1, 2), label="Hk")
     group = pick(gqa, st.sampled_from((1, 2, 3, 4) if s.gqa else (1,)), "Hq/Hk")
     Hq = Hk * group
@@ -58,7 +59,10 @@ def cases(draw, impl, limits, *, values=None, mask=None, causal=None, kv_lengths
     if (window is not None and not s.window) or (mask and not s.mask) or (kv and not s.kv_lengths):
         reject()
     vals = pick(values, st.sampled_from(("normal", "large", "tiny", "ties")), "values")
-    return Case("hypothesis", B, Hq, Hk, Nq, Nk, D, Dv, dtype, causal, window, mask, kv, vals)
+    case = Case("hypothesis", B, Hq, Hk, Nq, Nk, D, Dv, dtype, causal, window, mask, kv, vals)
+    if not s.claims(case)[0]:  # a property calls the implementation on what it draws
+        reject()
+    return case
 
 
 def seeds():

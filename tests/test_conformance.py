@@ -72,3 +72,27 @@ def test_the_gradient_properties_catch_a_broken_backward():
            "dk: mismatched" in broken.stdout, broken.stdout
     correct = run("tests.broken_backward:CORRECT", "--backward")
     assert correct.returncode == 0 and "2 passed" in correct.stdout, correct.stdout
+
+
+def test_the_strategies_draw_only_what_an_implementation_claims():
+    """A property that calls the implementation directly (the lse merge) must never hand it a
+    case it does not claim: head dims outside a multiple, dtypes, masks (found on the GPU: the
+    tensor-core kernel was given D = 1)."""
+    from hypothesis import given, settings
+
+    from conformance.strategies import cases
+    from verify.adapters import Implementation, Supports
+
+    impl = Implementation("mma-like", None, Supports(dtypes=("float16",), max_head_dim=128,
+                                                     head_dim_multiple=8, mask=False))
+    limits = {"max_n": 64, "max_d": 256, "max_bh": 8, "long_n": 64}
+    drawn = []
+
+    @settings(max_examples=60, database=None, deadline=None)
+    @given(case=cases(impl, limits))
+    def prop(case):
+        drawn.append(case)
+        assert impl.supports.claims(case)[0], case
+
+    prop()
+    assert drawn and {c.D for c in drawn} <= {16, 40, 64, 128}
