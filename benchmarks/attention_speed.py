@@ -94,7 +94,7 @@ def run_shape(rows, dtype, B, Hq, Hk, Nq, Nk, D, causal, impls, ceiling, spec=No
     calls = {}
     if "numba" in impls:
         calls[label] = lambda: flash_attention(q, k, v, causal="top_left" if causal else False,
-                                               spec=spec, num_splits=num_splits)
+                                               spec=spec, num_splits=num_splits, kernel="simt")
     if "numba-mma" in impls and dtype != "float32" and spec is None and D % 8 == 0 \
             and D <= 128 and num_splits is None:
         calls["numba-mma"] = lambda: flash_attention(

@@ -27,7 +27,7 @@ NO_DEVICE = ("no CUDA GPU is available. To run the kernel on the CPU, set the en
 
 def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
                     kv_lengths=None, window=None, return_lse=False, num_splits=None, spec=None,
-                    kernel="simt"):
+                    kernel="auto"):
     """FlashAttention-2 forward on the GPU (or the CUDA simulator), per docs/contract.md;
     differentiable for torch tensors (autograd.py: gradients from the backward kernels, one
     opaque operator under torch.compile).
@@ -46,12 +46,12 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
 
     num_splits: split the keys into this many ranges, one block each, merged by lse
     (split_kv.py); None chooses: splits only when the query tiles alone leave the GPU's SMs
-    idle (decoding). spec: a KernelSpec that forces one variant (for benchmarks); by default
-    specs.choose_spec picks it. kernel: "simt" (flash_fwd.py, every dtype; the default until
-    the tensor-core kernel is certified on a GPU), "mma" (flash_mma.py: float16 and
-    bfloat16, head dims multiples of 8 up to 128, no split-KV; a ValueError says why where
-    it does not apply) or "auto" (the tensor-core kernel where it applies, else simt);
-    kernel_plan tells which one a call gets, and why.
+    idle (decoding). spec: a KernelSpec that forces one variant of the SIMT kernel (for
+    benchmarks); by default specs.choose_spec picks it. kernel: "auto" (the default: the
+    tensor-core kernel where it applies, else the SIMT one), "simt" (flash_fwd.py, every dtype
+    and head dims up to 256) or "mma" (flash_mma.py: float16 and bfloat16, head dims
+    multiples of 8 up to 128; a ValueError says why where it does not apply); kernel_plan
+    tells which one a call gets, and why.
     """
     if type(q).__module__.startswith("torch") and spec is None:
         from . import autograd
@@ -70,13 +70,12 @@ KERNELS = ("simt", "mma", "auto")
 
 
 def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
-                window=None, num_splits=None, spec=None, kernel="simt"):
+                window=None, num_splits=None, spec=None, kernel="auto"):
     """(kernel, why): which forward kernel flash_attention runs for these arguments, "simt"
     (flash_fwd.py) or "mma" (flash_mma.py), and why. kernel="auto" takes the tensor-core
     kernel where it applies (float16 and bfloat16, head dims multiples of 8 up to 128, no
-    spec and no split-KV asked for, and not a decoding shape that the SIMT kernel would
-    split) and says why not where it falls back; "mma" raises ValueError with that
-    reason instead."""
+    spec of the SIMT kernel given) and says why not where it falls back; "mma" raises
+    ValueError with that reason instead."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "simt":
@@ -84,12 +83,8 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
     why_not = mma_plan(pb)
-    if why_not is None and (spec is not None or num_splits not in (None, 1)):
-        why_not = ("a spec or num_splits was given: the tensor-core kernel has one variant "
-                   "per dtype and head dims, and no split-KV")
-    if why_not is None and kernel == "auto" and _would_split(pb):
-        why_not = ("too few query tiles to fill the GPU (decoding): the SIMT kernel splits "
-                   "the keys, the tensor-core kernel has no split-KV")
+    if why_not is None and spec is not None:
+        why_not = "a spec (a variant of the SIMT kernel) was given"
     if why_not is None:
         return "mma", "asked for" if kernel == "mma" else "16-bit inputs it takes"
     if kernel == "mma":
@@ -97,37 +92,24 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
     return "simt", f"the tensor-core kernel does not apply: {why_not}"
 
 
-def _would_split(pb):
-    """Whether the SIMT kernel would split the keys of problem pb (split_kv.choose_splits
-    with the tensor-core kernel's grid): its query tiles alone leave SMs idle."""
-    blocks = -(-pb.n_q // MMA_BLOCK_M) * pb.batch * pb.heads_q
-    tiles = choose_spec(pb.d, pb.dv, pb.dtype, False)
-    return blocks > 0 and choose_splits(blocks, pb.n_k, tiles.block_n, _sm_count())[0] > 1
-
-
 def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
-            window=None, return_lse=False, num_splits=None, spec=None, kernel="simt"):
+            window=None, return_lse=False, num_splits=None, spec=None, kernel="auto"):
     """flash_attention without autograd: the kernels' launch."""
     chosen, _ = kernel_plan(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                             kv_lengths=kv_lengths, window=window, num_splits=num_splits,
                             spec=spec, kernel=kernel)
     if chosen == "mma":
         return mma_attention(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
-                             kv_lengths=kv_lengths, window=window, return_lse=return_lse)
-    if num_splits is not None and (isinstance(num_splits, bool)
-                                   or not isinstance(num_splits, (int, np.integer))
-                                   or num_splits < 1):
-        raise ValueError(f"num_splits must be None or an integer >= 1, got {num_splits!r}")
+                             kv_lengths=kv_lengths, window=window, return_lse=return_lse,
+                             num_splits=num_splits)
+    _check_num_splits(num_splits)
     pb, io, out, lse = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
     if pb.batch * pb.heads_q * pb.n_q > 0:  # else the outputs are empty: nothing to launch
         has_mask = mask is not None or bias is not None
         # Splitting depends on the tiles only, which do not depend on splitting.
         tiles = spec or choose_spec(pb.d, pb.dv, pb.dtype, has_mask)
         blocks, _, _ = launch_grid(pb.n_q, pb.batch, pb.heads_q, tiles)
-        if num_splits is None:
-            n_splits, split_len = choose_splits(blocks, pb.n_k, tiles.block_n, _sm_count())
-        else:
-            n_splits, split_len = split_layout(pb.n_k, tiles.block_n, int(num_splits))
+        n_splits, split_len = _splits(pb, blocks, tiles.block_n, num_splits)
         chosen = choose_spec(pb.d, pb.dv, pb.dtype, has_mask, partial=n_splits > 1)
         if spec is None:
             spec = chosen
@@ -136,11 +118,7 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
             raise ValueError(f"spec {spec} does not fit D={pb.d}, Dv={pb.dv}, {pb.dtype}, "
                              f"mask or bias={'yes' if has_mask else 'no'}, {n_splits} split(s)")
         mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
-        if n_splits > 1:  # partial results, float32, split s of batch b at s * B + b
-            dest = (io.empty((n_splits * pb.batch, pb.heads_q, pb.n_q, pb.dv), "float32"),
-                    io.empty((n_splits * pb.batch, pb.heads_q, pb.n_q), "float32"))
-        else:
-            dest = (out, lse)
+        dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
         blocks, threads, n_tiles = launch_grid(pb.n_q, pb.batch, pb.heads_q, spec, n_splits)
         launch(build_kernel(spec), spec, blocks, threads, io.stream, *kernel_args(
             q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, bias=bias_dev,
@@ -148,15 +126,39 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
             dv=pb.dv, group=pb.group, heads_q=pb.heads_q, n_tiles=n_tiles,
             split_len=split_len, **_band(pb), **steps))
         if n_splits > 1:
-            elements = pb.batch * pb.heads_q * pb.n_q * pb.dv
-            launch(build_merge(pb.dtype), pb.dtype, -(-elements // MERGE_THREADS),
-                   MERGE_THREADS, io.stream, io.dev(dest[0]), io.dev(dest[1]), io.dev(out),
-                   io.dev(lse), n_splits)
+            _merge(io, pb, dest, out, lse, n_splits)
     out, lse = io.result(out), io.result(lse)
     return (out, lse) if return_lse else out
 
 
 MERGE_THREADS = 128
+
+
+def _check_num_splits(num_splits):
+    if num_splits is not None and (isinstance(num_splits, bool)
+                                   or not isinstance(num_splits, (int, np.integer))
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be None or an integer >= 1, got {num_splits!r}")
+
+
+def _splits(pb, blocks, block_n, num_splits):
+    """(n_splits, split_len): chosen (num_splits None) or as asked, in whole key tiles."""
+    if num_splits is None:
+        return choose_splits(blocks, pb.n_k, block_n, _sm_count())
+    return split_layout(pb.n_k, block_n, int(num_splits))
+
+
+def _partials(io, pb, n_splits):
+    """Where a split-KV launch writes: float32, split s of batch b at s * B + b."""
+    return (io.empty((n_splits * pb.batch, pb.heads_q, pb.n_q, pb.dv), "float32"),
+            io.empty((n_splits * pb.batch, pb.heads_q, pb.n_q), "float32"))
+
+
+def _merge(io, pb, dest, out, lse, n_splits):
+    """out and lse from the partial results `dest` of n_splits splits (split_kv.py)."""
+    elements = pb.batch * pb.heads_q * pb.n_q * pb.dv
+    launch(build_merge(pb.dtype), pb.dtype, -(-elements // MERGE_THREADS), MERGE_THREADS,
+           io.stream, io.dev(dest[0]), io.dev(dest[1]), io.dev(out), io.dev(lse), n_splits)
 
 
 def _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window):
@@ -211,17 +213,21 @@ def plain_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
 
 
 def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
-                  kv_lengths=None, window=None, return_lse=False):
+                  kv_lengths=None, window=None, return_lse=False, num_splits=None):
     """The tensor-core kernel (flash_mma.py: mma.sync, float16 and bfloat16 inputs) with
-    flash_attention's arguments, checks and array handling. No split-KV. Raises ValueError
-    naming the reason where it does not apply (flash_mma.mma_plan)."""
+    flash_attention's arguments, checks and array handling, split-KV included. Raises
+    ValueError naming the reason where it does not apply (flash_mma.mma_plan)."""
+    _check_num_splits(num_splits)
     pb, io, out, lse = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
     why_not = mma_plan(pb)
     if why_not:
         raise ValueError(f"the tensor-core kernel does not apply: {why_not}")
     if pb.batch * pb.heads_q * pb.n_q > 0:
+        q_tiles = -(-pb.n_q // MMA_BLOCK_M)
+        n_splits, split_len = _splits(pb, q_tiles * pb.batch * pb.heads_q, MMA_BLOCK_N,
+                                      num_splits)
         spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype,
-                       mask is not None or bias is not None)
+                       mask is not None or bias is not None, n_splits > 1)
         mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
         v_dev, key_tiles = io.dev(v), max(1, -(-pb.n_k // MMA_BLOCK_N))
         v_flags = io.scratch((pb.batch, pb.heads_k, key_tiles))
@@ -229,12 +235,15 @@ def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
             scan = ScanSpec(pb.dtype)
             launch(scan_kernel(scan), scan, (key_tiles, pb.batch * pb.heads_k), SCAN_THREADS,
                    io.stream, v_dev, v_flags)
-        launch(mma_kernel(spec), spec,
-               (-(-pb.n_q // MMA_BLOCK_M), pb.batch * pb.heads_q), 128, io.stream,
-               *kernel_args(MMA_ARG_NAMES, q=io.dev(q), k=io.dev(k), v=v_dev,
-                            mask=mask_dev, bias=bias_dev, kv_lengths=lengths, v_flags=v_flags,
-                            out=io.dev(out), lse=io.dev(lse), n_q=pb.n_q, d=pb.d, dv=pb.dv,
-                            group=pb.group, heads_q=pb.heads_q, **_band(pb), **steps))
+        dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
+        launch(mma_kernel(spec), spec, (q_tiles, pb.batch * pb.heads_q, n_splits), 128,
+               io.stream, *kernel_args(
+                   MMA_ARG_NAMES, q=io.dev(q), k=io.dev(k), v=v_dev, mask=mask_dev,
+                   bias=bias_dev, kv_lengths=lengths, v_flags=v_flags, out=io.dev(dest[0]),
+                   lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d, dv=pb.dv, group=pb.group,
+                   heads_q=pb.heads_q, split_len=split_len, **_band(pb), **steps))
+        if n_splits > 1:
+            _merge(io, pb, dest, out, lse, n_splits)
     out, lse = io.result(out), io.result(lse)
     return (out, lse) if return_lse else out
 

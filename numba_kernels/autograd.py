@@ -26,7 +26,7 @@ Tensor = torch.Tensor
 
 
 def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
-              window=None, return_lse=False, num_splits=None, kernel="simt"):
+              window=None, return_lse=False, num_splits=None, kernel="auto"):
     """flash_attention's forward through the operator (same arguments and results)."""
     check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                          kv_lengths=kv_lengths, window=window)  # the contract's errors first

@@ -2,7 +2,7 @@
 reference/tiled.py with the products S = Q K^T and P V done by mma.sync (warp.py), float32
 accumulation throughout.
 
-    grid:    (query tiles of BLOCK_M = 64 rows, B * Hq)
+    grid:    (query tiles of BLOCK_M = 64 rows, B * Hq, key splits (split-KV; 1 without))
     block:   4 warps; warp w owns rows start_m + 16 w .. + 15 of the tile. In every fragment
              lane = 4 g + t holds rows g and g + 8 of its warp's 16 (warp.py draws the layouts).
     shared:  16-bit tiles, rows padded by 8 values (16 bytes) so that the 8 row addresses of an
@@ -18,8 +18,15 @@ Per key tile, per warp: S = Q K^T (ldmatrix of K, mma), scaled and masked per el
 SIMT kernel does (flash_fwd's masked_score); the online softmax on the fragments (a row's max
 and sum across the 4 lanes that hold it, by shuffles); P rounded to the input dtype in
 registers and multiplied by V (ldmatrix.trans of V, mma). A pair that takes no part has
-P = -0.0 (flash_fwd.NO_PART); when a V tile holds a NaN or an inf the block takes the slow
-path, which adds in float32 only the pairs that take part (0 * NaN would be NaN).
+P = -0.0 (flash_fwd.NO_PART); where a V tile holds a NaN or an inf (a pre-pass,
+nonfinite_tiles, flags such tiles once per call) the block takes the slow path, which adds in
+float32 only the pairs that take part (0 * NaN would be NaN). One barrier a key tile: every
+thread waits for its copies of tile j, the barrier makes them visible and frees the other
+stage, then tile j + 1 is copied there while tile j is computed.
+
+Split-KV (decoding: too few query tiles to fill the GPU): blockIdx.z takes the keys
+split * split_len .. + split_len and writes float32 partial results, merged by lse
+(split_kv.py), as the SIMT kernel does.
 """
 import math
 from dataclasses import astuple, dataclass
@@ -36,7 +43,7 @@ from .compile_cache import jit
 
 V_FLAGS = ("v_flags", "flags", "(B, Hk, key tiles) uint8: 1 where a V tile holds a NaN or an "
            "inf (the pre-pass nonfinite_tiles)")
-MMA_ARGS = tuple(x for a in ARGS if a[0] not in ("n_tiles", "split_len")
+MMA_ARGS = tuple(x for a in ARGS if a[0] != "n_tiles"
                  for x in ((V_FLAGS, a) if a[0] == "out" else (a,)))  # flags before out
 MMA_ARG_NAMES = tuple(name for name, _, _ in MMA_ARGS)
 MMA_DTYPES = ("float16", "bfloat16")
@@ -54,6 +61,7 @@ class MmaSpec:
     dv: int
     dtype: str
     has_mask: bool
+    partial: bool = False  # split-KV: float32 partial results for split_kv's merge
 
     def check(self):
         if self.d not in MMA_WIDTHS or self.dv not in MMA_WIDTHS:
@@ -71,8 +79,9 @@ class MmaSpec:
 
 def mma_specs():
     """Every variant the PTX report compiles: the kernels and the pre-passes."""
-    return [MmaSpec(d, dv, dtype, m) for d in MMA_WIDTHS for dv in MMA_WIDTHS
-            for dtype in MMA_DTYPES for m in (False, True)] + [ScanSpec(t) for t in MMA_DTYPES]
+    return [MmaSpec(d, dv, dtype, m, p) for d in MMA_WIDTHS for dv in MMA_WIDTHS
+            for dtype in MMA_DTYPES for m in (False, True) for p in (False, True)] + [
+        ScanSpec(t) for t in MMA_DTYPES]
 
 
 def mma_width(d):
@@ -332,9 +341,9 @@ def scan_kernel(spec):
 
 def make_store_out(DV, store):
     @kernel_part
-    def store_out(out, lse, m_i, l_i, acc, b, h, row0, n_q, dv, lane):
-        """out = acc / l and lse = (m_i + log2 l) * ln 2, l the sum of the 4 lanes' parts; a
-        row that saw no key: out = 0, lse = -inf."""
+    def store_out(out, lse, m_i, l_i, acc, ob, h, row0, n_q, dv, lane):
+        """out = acc / l and lse = (m_i + log2 l) * ln 2 at batch index ob, l the sum of the 4
+        lanes' parts; a row that saw no key: out = 0, lse = -inf."""
         t = lane % 4
         for half in range(2):
             l_row = l_i[half]
@@ -348,9 +357,9 @@ def make_store_out(DV, store):
                     for e in range(2):
                         col = vb * 8 + 2 * t + e
                         if col < dv:
-                            out[b, h, row, col] = store(acc[vb, 2 * half + e] * inv_l)
+                            out[ob, h, row, col] = store(acc[vb, 2 * half + e] * inv_l)
                 if t == 0:
-                    lse[b, h, row] = NEG_INF if empty else (m_i[half] + math.log2(l_row)) * F_LN2
+                    lse[ob, h, row] = NEG_INF if empty else (m_i[half] + math.log2(l_row)) * F_LN2
 
     return store_out
 
@@ -373,10 +382,11 @@ def kernel_source(spec):
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}))
     online_softmax = make_online_softmax(NB, VB)
     pv, pv_seen_pairs = make_pv(DV, V_ROW, mma, pack), make_pv_seen_pairs(DV, V_ROW, unpack)
-    store_out = make_store_out(DV, CONVERTERS[spec.dtype][1])
+    store_out = make_store_out(DV, CONVERTERS["float32" if spec.partial else spec.dtype][1])
 
     def flash_mma(q, k, v, mask, bias, kv_lengths, v_flags, out, lse, n_q, d, dv, group,
-                  heads_q, qk_scale, left, right, bottom_right, mask_steps, bias_steps):
+                  heads_q, split_len, qk_scale, left, right, bottom_right, mask_steps,
+                  bias_steps):
         words = cuda.shared.array(WORDS, uint32)  # two stages; Q lands in the second first
         q_frag = cuda.local.array((KSTEPS, 4), uint32)  # this warp's rows of Q, A fragments
         s = cuda.local.array((NB, 4), float32)  # S, then P, of the lane's fragment
@@ -398,9 +408,10 @@ def kernel_source(spec):
         row0 = start_m + w * 16 + lane // 4  # the lane's rows: row0 and row0 + 8
         kv_len = int64(kv_lengths[b])
         init_rows(m_i, l_i, acc, lo, hi, row0, n_q, kv_len, left, right, bottom_right)
+        split = cuda.blockIdx.z  # split-KV: this block's keys split * split_len .. + split_len
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
-            0, kv_len, BLOCK_N)
+            split, split_len, BLOCK_N)
 
         copy_q(words, STAGE, q, q_base, start_m, n_q, d)  # group: Q
         warp.cp_async_commit()
@@ -432,7 +443,8 @@ def kernel_source(spec):
             else:  # a NaN or an inf in this V tile (the same path for the whole block)
                 pv_seen_pairs(words, at + K_TILE, s, acc, lane)
             stage = 1 - stage
-        store_out(out, lse, m_i, l_i, acc, b, h, row0, n_q, dv, lane)
+        # split s of batch b at s * B + b (one split: out itself)
+        store_out(out, lse, m_i, l_i, acc, split * q.shape[0] + b, h, row0, n_q, dv, lane)
 
     return check_parameters(flash_mma, MMA_ARG_NAMES)
 

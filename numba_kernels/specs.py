@@ -127,7 +127,7 @@ def plain_bwd_signature(spec):
 def mma_signature(spec):
     """Argument types of the tensor-core kernel (flash_mma.py), C-contiguous arrays."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
-    return arg_types(MMA_ARGS, elem, elem)
+    return arg_types(MMA_ARGS, elem, float32 if spec.partial else elem)
 
 
 def scan_signature(spec):

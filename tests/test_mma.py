@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import verify  # noqa: F401  (selects the simulator on a machine without a GPU)
-from numba_kernels import flash_attention, kernel_plan, mma_attention
+from numba_kernels import choose_spec, flash_attention, kernel_plan, mma_attention
 from numba_kernels.convert import SIMULATOR
 from verify.adapters import load
 from verify.cases import battery
@@ -54,8 +54,8 @@ def test_flash_attention_takes_the_kernel_by_name():
     with pytest.raises(ValueError, match="kernel='mma': dtype float32"):
         flash_attention(q, q, q, kernel="mma")
     h = q.astype(np.float16)
-    with pytest.raises(ValueError, match="num_splits was given"):
-        flash_attention(h, h, h, kernel="mma", num_splits=2)
+    with pytest.raises(ValueError, match="a spec"):
+        flash_attention(h, h, h, kernel="mma", spec=choose_spec(16, 16, "float16", False))
 
 
 @pytest.mark.parametrize("dtype,D,options,want,phrase", [
@@ -64,7 +64,8 @@ def test_flash_attention_takes_the_kernel_by_name():
     ("float32", 64, {}, "simt", "dtype float32"),
     ("float16", 40 + 1, {}, "simt", "head dims D=41"),
     ("float16", 256, {}, "simt", "up to 128"),
-    ("float16", 64, dict(num_splits=3), "simt", "no split-KV"),
+    ("float16", 64, dict(num_splits=3), "mma", "16-bit inputs"),
+    ("float16", 64, dict(spec=choose_spec(64, 64, "float16", False)), "simt", "a spec"),
 ])
 def test_auto_takes_the_tensor_core_kernel_where_it_applies_and_says_why_not(
         dtype, D, options, want, phrase):
@@ -74,12 +75,25 @@ def test_auto_takes_the_tensor_core_kernel_where_it_applies_and_says_why_not(
     assert kernel == want and phrase in why, (kernel, why)
 
 
-def test_auto_leaves_decoding_to_the_simt_kernel_where_it_would_split(monkeypatch):
-    """One query row against many keys: the SIMT kernel splits the keys across the SMs."""
+def test_the_default_takes_the_tensor_core_kernel_for_decoding_too(monkeypatch):
+    """One query row against many keys: the tensor-core kernel splits the keys across the SMs
+    itself (split-KV), so the default need not fall back."""
     from numba_kernels import api
     monkeypatch.setattr(api, "_sm_count", lambda: 132)  # an H200 (the simulator says 1)
     q, k = np.zeros((2, 8, 1, 128), np.float16), np.zeros((2, 8, 32768, 128), np.float16)
-    assert kernel_plan(q, k, k, kernel="auto")[0] == "simt"
-    assert "decoding" in kernel_plan(q, k, k, kernel="auto")[1]
-    q = np.zeros((2, 16, 4096, 128), np.float16)
-    assert kernel_plan(q, q, q, kernel="auto")[0] == "mma"
+    assert kernel_plan(q, k, k) == ("mma", "16-bit inputs it takes")
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on the GPU")
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_mma_split_kv_equals_one_range(causal):
+    """Three key ranges, one block each (partials in float32, merged by lse), against one
+    range: the same within float32 rounding; a split that the causal band leaves empty
+    gives nothing. Nk = 70: the last range holds a partial key tile."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 2, 3, 16)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 1, 70, 16)).astype(np.float16) for _ in range(2))
+    whole, whole_lse = mma_attention(q, k, v, causal=causal, return_lse=True, num_splits=1)
+    out, lse = mma_attention(q, k, v, causal=causal, return_lse=True, num_splits=3)
+    np.testing.assert_allclose(out.astype(np.float32), whole.astype(np.float32), atol=2e-3)
+    np.testing.assert_allclose(lse, whole_lse, rtol=1e-5, atol=1e-5)

@@ -178,13 +178,18 @@ def _reference():
 
 
 def _numba(plain=False, backward="plain"):
-    """Our tuned kernel, or (plain) the plain one of numba_kernels/plain_fwd.py; gradients
-    from the backward kernels `backward` (flash_attention_backward's kernel=)."""
+    """Our tuned SIMT kernel (flash_attention(kernel="simt"): the tensor-core kernel that
+    kernel="auto" picks for 16-bit inputs is numba-mma), or (plain) the plain one of
+    numba_kernels/plain_fwd.py; gradients from the backward kernels `backward`
+    (flash_attention_backward's kernel=)."""
     from numba_kernels import (compile_times, flash_attention, flash_attention_backward,
                                plain_attention)
     from numba_kernels.convert import SIMULATOR
 
-    attention = plain_attention if plain else flash_attention
+    def attention(q, k, v, **options):
+        if plain:
+            return plain_attention(q, k, v, **options)
+        return flash_attention(q, k, v, kernel="simt", **options)
 
     def fn(q, k, v, **options):
         return attention(q, k, v, **options)
