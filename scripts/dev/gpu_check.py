@@ -2,8 +2,9 @@
 
     python scripts/dev/gpu_check.py [--out DIR] [--quick] [--no-sanitize]
 
-1. verify's battery (the full suite, every dtype; --quick: the standard suite) on the tuned
-   kernel, with what only a GPU run of our own kernel shows: every output buffer poisoned with
+1. verify's battery (the full suite, every dtype; --quick: the standard suite) on
+   flash_attention's default (kernel="auto": the tensor-core kernel for the 16-bit cases it
+   takes, the SIMT kernel for the rest), with what only a GPU run of our own kernels shows: every output buffer poisoned with
    NaN first (every element must be written), and every call preceded by a call of the same
    layout on other tensors, so that the judged call reuses that launch plan (launch.py) and
    must take every pointer from its own arguments. verify does the rest (the float64 truth,
@@ -67,6 +68,9 @@ flash_attention(r(1, 2, 100, 128, dt=torch.bfloat16), r(1, 2, 150, 128, dt=torch
 flash_attention(r(1, 1, 40, 256, dt=torch.float16), r(1, 1, 70, 256, dt=torch.float16),
                 r(1, 1, 70, 256, dt=torch.float16), window=(9, 3), return_lse=True)
 flash_attention(r(1, 3, 33, 40), r(1, 1, 65, 40), r(1, 1, 65, 24))
+flash_attention(r(2, 4, 1, 64, dt=torch.float16), r(2, 4, 900, 64, dt=torch.float16),
+                r(2, 4, 900, 64, dt=torch.float16), num_splits=5, causal="bottom_right",
+                kernel="simt")
 flash_attention(r(2, 4, 1, 64, dt=torch.float16), r(2, 4, 900, 64, dt=torch.float16),
                 r(2, 4, 900, 64, dt=torch.float16), num_splits=5, causal="bottom_right")
 # the tensor-core kernel: cp.async double buffering, ldmatrix, a partial last key tile, a
