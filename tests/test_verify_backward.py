@@ -22,6 +22,26 @@ def test_each_broken_backward_fails_for_its_reason(bug):
     assert phrase in hit[0].detail, hit[0].detail
 
 
+def test_a_plan_cached_by_shape_is_caught_whatever_ran_before():
+    """The dout-layout-cached kernel (cuDNN's bug 8) escapes a strided dout met first at its
+    shapes; the relayout case calls with dout contiguous first, so it fails on its own."""
+    from tests.broken_backward import LAYOUTS
+    from verify.adapters import Implementation
+    from verify.runner import run_case
+
+    impl = Implementation("cached", kernel(None), Supports(backward=True),
+                          grad=grad("dout-layout-cached"))
+    cases = {c.name: c for c in backward_battery("quick")}
+    LAYOUTS.clear()
+    assert run_case(impl, cases["backward: dout strided"], seed=1).verdict == "pass"
+    LAYOUTS.clear()
+    result = run_case(impl, cases["backward: dout strided after contiguous"], seed=1)
+    assert result.verdict == "fail" and "mismatched" in result.detail, result.detail
+    twin = Implementation("twin", kernel(None), Supports(backward=True), grad=grad(None))
+    assert run_case(twin, cases["backward: dout strided after contiguous"], seed=1).verdict \
+        == "pass"
+
+
 def test_the_unbroken_backward_twin_passes():
     report = verify.compare(kernel(None), grad=grad(None), suite="quick", progress=False)
     assert report.passed, str(report)

@@ -55,7 +55,7 @@ class Case:
     check: str = None  # a property of the call beyond its values (CHECKS)
     sampled: bool = False  # judged on sample_rows(case) only (the scale suite's sizes)
     backward: bool = False  # judges dq, dk, dv for an incoming gradient dout (verify.backward)
-    dout: str = "normal"  # dout's values or layout: normal, large, tiny, strided (DOUTS)
+    dout: str = "normal"  # dout's values or layout: normal, large, tiny, strided, relayout (DOUTS)
 
     def to_dict(self):
         return asdict(self)
