@@ -1,6 +1,7 @@
 """Compile every shipped kernel variant for a real GPU, on any machine, and check the result.
 
     python -m numba_kernels.ptx_report [--cc 9.0] [--jobs 2] [--json PATH] [--no-cache]
+                                       [--record]
 
 For each variant of the tuned kernel, the split-KV merge kernel of each dtype, the plain
 kernels (plain_fwd.py and the backward's plain_bwd.py) and the tuned backward (flash_bwd.py),
@@ -19,6 +20,12 @@ under a key made of everything its PTX and ptxas's verdict depend on: the source
 compiled from (SOURCES: reference/contract.py too, whose key_range is in the kernel), the
 variant, the compute capability, the numba and numba-cuda versions and ptxas's
 own version. A change to any of them is a new key, so a cached figure is never stale.
+
+The record (.ci/ptx_record.json, written by --record and committed with the kernels) holds
+the figures of a whole run under the same keys: a fresh clone, CI's, takes a variant's figures
+from it only where its key is unchanged (the same sources, numba, numba-cuda, ptxas and
+compute capability), and compiles every other variant. A kernel change without a new record
+costs CI the compile (about 8 minutes on 2 cores), never a stale verdict.
 """
 import argparse
 import glob
@@ -52,6 +59,8 @@ def find_ptxas():
 
 CACHE = os.environ.get("FLASH_PTX_CACHE",
                        os.path.join(os.path.expanduser("~"), ".cache", "flash-conformance", "ptx"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORD = os.path.join(ROOT, ".ci", "ptx_record.json")
 
 
 # Every file the compiled variants are made from (compile_cache.SOURCES), and this one.
@@ -63,10 +72,9 @@ def dependencies_digest(ptxas):
     import numba
     import numba_cuda
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     h = hashlib.sha256()
     for name in SOURCES:
-        with open(os.path.join(root, name), "rb") as f:
+        with open(os.path.join(ROOT, name), "rb") as f:
             h.update(name.encode() + f.read())
     version = subprocess.run([ptxas, "--version"], capture_output=True, text=True).stdout
     h.update(f"{numba.__version__} {numba_cuda.__version__} {version}".encode())
@@ -78,8 +86,7 @@ def cached_check(args):
     spec, cc, ptxas, digest, folder = args
     if not folder:
         return check_variant(args[:3])
-    key = hashlib.sha256(f"{digest} {spec!r} {cc}".encode()).hexdigest()
-    path = os.path.join(folder, key + ".json")
+    path = os.path.join(folder, variant_key(digest, spec, cc) + ".json")
     try:
         with open(path) as f:
             return dict(json.load(f), cached=True)
@@ -91,6 +98,20 @@ def cached_check(args):
         json.dump(row, f)
     os.replace(path + ".tmp", path)  # whole or absent, whatever runs beside it
     return row
+
+
+def variant_key(digest, spec, cc):
+    """The cache's and the record's key of a variant's figures."""
+    return hashlib.sha256(f"{digest} {spec!r} {cc}".encode()).hexdigest()
+
+
+def read_record(path=RECORD):
+    """{key: figures} of the committed record ({} when there is none)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def ptxas_figures(ptx, cc=(9, 0), ptxas=None):
@@ -149,7 +170,10 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", help="write the per-variant figures here")
     ap.add_argument("--no-cache", action="store_true",
-                    help=f"compile every variant, and read or write no cache ({CACHE})")
+                    help=f"compile every variant, and read or write no cache ({CACHE}) and "
+                         "no record")
+    ap.add_argument("--record", action="store_true",
+                    help=f"write every variant's figures to the record ({RECORD})")
     a = ap.parse_args(argv)
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         sys.exit("unset NUMBA_ENABLE_CUDASIM: the simulator cannot compile PTX")
@@ -168,10 +192,30 @@ def main(argv=None):
     digest = dependencies_digest(ptxas) if folder else None
     print(f"compiling {len(specs)} kernels for sm_{cc[0]}{cc[1]} with {ptxas}"
           + (f" (cache {folder})" if folder else ""), flush=True)
+    record = read_record() if folder else {}
+    keys, rows = run_gate(specs, cc, ptxas, digest, folder, record, a.jobs)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if a.record and folder:
+        write_record({k: r for k, r in zip(keys, rows)})
+    failed = [r for r in rows if not r["ok"]]
+    cached = sum(bool(r.get("cached")) for r in rows)
+    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed ({cached} from the cache "
+          f"or the record)")
+    return 1 if failed else 0
+
+
+def run_gate(specs, cc, ptxas, digest, folder, record, jobs):
+    """(keys, rows): each variant's figures, from the record where its key is there, else
+    from cached_check on `jobs` processes; a line printed per variant, in order."""
+    keys = [variant_key(digest, s, cc) for s in specs]
     rows = []
-    with ProcessPoolExecutor(a.jobs) as pool:
-        jobs = [(s, cc, ptxas, digest, folder) for s in specs]
-        for i, row in enumerate(pool.map(cached_check, jobs)):
+    with ProcessPoolExecutor(jobs) as pool:
+        computed = pool.map(cached_check, [(s, cc, ptxas, digest, folder)
+                                           for s, k in zip(specs, keys) if k not in record])
+        for i, key in enumerate(keys):
+            row = dict(record[key], cached=True) if key in record else next(computed)
             rows.append(row)
             status = "ok" if row["ok"] else "FAIL " + ",".join(row.get("problems", ["ptxas"]))
             figures = row.get("error") or (f"{row['registers']:3d} regs {row['shared']:6d} B smem "
@@ -179,13 +223,15 @@ def main(argv=None):
                                            f"{row['spill_stores']}/{row['spill_loads']}")
             print(f"[{i + 1}/{len(specs)}] {row['spec']}: {figures} {status}"
                   + (" (cached)" if row.get("cached") else ""), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    failed = [r for r in rows if not r["ok"]]
-    cached = sum(bool(r.get("cached")) for r in rows)
-    print(f"{len(rows) - len(failed)} passed, {len(failed)} failed ({cached} from the cache)")
-    return 1 if failed else 0
+    return keys, rows
+
+
+def write_record(rows, path=RECORD):
+    """The record: {key: figures} of a whole run (flags of where they came from dropped)."""
+    with open(path, "w") as f:
+        json.dump({k: {n: v for n, v in r.items() if n != "cached"} for k, r in rows.items()},
+                  f, indent=0, sort_keys=True)
+        f.write("\n")
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ def test_backward_kernels_pass_verify(which, kernel):
                  if c.name.startswith(tuple(f"edge: {e}" for e in EDGES))]
         assert len(cases) == len(EDGES)
     else:
-        cases = [c for c in backward_battery("quick", ("float32",))
-                 if c.name.startswith(HARD)]
+        cases = [c for c in backward_battery("quick", ("float32",))  # (the relayout case
+                 if c.name.startswith(HARD) and c.dout != "relayout"]  # matters on a GPU)
         assert len(cases) >= len(HARD)
         cases.append(Case("GQA 2:1 with a mask, twice", B=1, Hq=4, Hk=2, Nq=17, Nk=20, D=16,
                           Dv=16, dtype="float32", mask="random", repeat=True, backward=True))

@@ -1,11 +1,12 @@
 """Every shipped kernel variant compiles for sm_90 without spills, local memory, float64
 instructions or shared memory over the static limit (numba_kernels/ptx_report.py).
 
-Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling 243
-kernels takes about 16 minutes of CPU: tests/conftest.py starts the report as soon as this
+Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling 256
+kernels takes about 14 minutes of CPU: tests/conftest.py starts the report as soon as this
 test is collected, on every core beside the other tests, and runs this test last, to collect
 its result. The report caches each variant's figures under a key of everything they depend
-on (ptx_report.py), so a run after an unchanged kernel compiles nothing.
+on (ptx_report.py), so a run after an unchanged kernel compiles nothing; a fresh clone reads
+them from the committed record (.ci/ptx_record.json) where the keys are unchanged.
 """
 import os
 import subprocess
@@ -101,3 +102,43 @@ def test_the_digest_follows_the_sources(tmp_path, monkeypatch):
 
     monkeypatch.setattr("builtins.open", edited)
     assert ptx_report.dependencies_digest(str(fake_ptxas)) != first
+
+
+def test_the_record_serves_only_unchanged_keys(tmp_path, monkeypatch):
+    """A committed record (.ci/ptx_record.json) gives a variant's figures only under its own
+    key (the sources, versions, variant and compute capability): any other is compiled."""
+    from numba_kernels import ptx_report
+
+    figures = dict(registers=32, shared=0, stack_frame=0, spill_stores=0, spill_loads=0)
+    monkeypatch.setattr(ptx_report, "cached_check",
+                        lambda job: dict(spec=repr(job[0]), ok=True, compiled=True, **figures))
+    monkeypatch.setattr(ptx_report, "ProcessPoolExecutor", _InProcess)
+    path = str(tmp_path / "record.json")
+    key = ptx_report.variant_key("digest", "a", (9, 0))
+    failed = dict(spec="'a'", ok=False, error="ptxas said no")
+    ptx_report.write_record({key: dict(failed, cached=True)}, path)
+    record = ptx_report.read_record(path)
+    assert record == {key: failed}
+    keys, rows = ptx_report.run_gate(["a", "b"], (9, 0), "ptxas", "digest", None, record, 1)
+    assert rows[0] == dict(failed, cached=True)  # from the record, even a FAIL
+    assert rows[1]["compiled"] and keys[1] == ptx_report.variant_key("digest", "b", (9, 0))
+    for digest, cc in (("other sources", (9, 0)), ("digest", (8, 0))):
+        _, rows = ptx_report.run_gate(["a"], cc, "ptxas", digest, None, record, 1)
+        assert rows[0]["compiled"]
+    assert ptx_report.read_record(str(tmp_path / "missing.json")) == {}
+
+
+class _InProcess:
+    """ProcessPoolExecutor's map, in this process (the test's stand-ins are not pickled)."""
+
+    def __init__(self, jobs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def map(self, fn, items):
+        return map(fn, items)
