@@ -76,12 +76,23 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
     kernel where it applies (float16 and bfloat16, head dims multiples of 8 up to 128, no
     spec of the SIMT kernel given) and says why not where it falls back; "mma" raises
     ValueError with that reason instead."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    _check_kernel(kernel)
     if kernel == "simt":
         return "simt", "asked for"
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
+    return _plan(pb, kernel, spec)
+
+
+def _check_kernel(kernel):
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+
+
+def _plan(pb, kernel, spec):
+    """kernel_plan for a checked problem pb."""
+    if kernel == "simt":
+        return "simt", "asked for"
     why_not = mma_plan(pb)
     if why_not is None and spec is not None:
         why_not = "a spec (a variant of the SIMT kernel) was given"
@@ -94,16 +105,20 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
 
 def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
             window=None, return_lse=False, num_splits=None, spec=None, kernel="auto"):
-    """flash_attention without autograd: the kernels' launch."""
-    chosen, _ = kernel_plan(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
-                            kv_lengths=kv_lengths, window=window, num_splits=num_splits,
-                            spec=spec, kernel=kernel)
-    if chosen == "mma":
-        return mma_attention(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
-                             kv_lengths=kv_lengths, window=window, return_lse=return_lse,
-                             num_splits=num_splits)
+    """flash_attention without autograd: the kernels' launch (the arguments checked once)."""
+    _check_kernel(kernel)
     _check_num_splits(num_splits)
     pb, io, out, lse = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
+    if _plan(pb, kernel, spec)[0] == "mma":
+        _mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits)
+    else:
+        _simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec)
+    out, lse = io.result(out), io.result(lse)
+    return (out, lse) if return_lse else out
+
+
+def _simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec):
+    """The SIMT kernel (flash_fwd.py) into out and lse, split-KV merged."""
     if pb.batch * pb.heads_q * pb.n_q > 0:  # else the outputs are empty: nothing to launch
         has_mask = mask is not None or bias is not None
         # Splitting depends on the tiles only, which do not depend on splitting.
@@ -127,8 +142,6 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
             split_len=split_len, **_band(pb), **steps))
         if n_splits > 1:
             _merge(io, pb, dest, out, lse, n_splits)
-    out, lse = io.result(out), io.result(lse)
-    return (out, lse) if return_lse else out
 
 
 MERGE_THREADS = 128
@@ -222,6 +235,14 @@ def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     why_not = mma_plan(pb)
     if why_not:
         raise ValueError(f"the tensor-core kernel does not apply: {why_not}")
+    _mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits)
+    out, lse = io.result(out), io.result(lse)
+    return (out, lse) if return_lse else out
+
+
+def _mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits):
+    """The pre-pass and the tensor-core kernel (flash_mma.py) into out and lse, split-KV
+    merged."""
     if pb.batch * pb.heads_q * pb.n_q > 0:
         q_tiles = -(-pb.n_q // MMA_BLOCK_M)
         n_splits, split_len = _splits(pb, q_tiles * pb.batch * pb.heads_q, MMA_BLOCK_N,
@@ -244,8 +265,6 @@ def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
                    heads_q=pb.heads_q, split_len=split_len, **_band(pb), **steps))
         if n_splits > 1:
             _merge(io, pb, dest, out, lse, n_splits)
-    out, lse = io.result(out), io.result(lse)
-    return (out, lse) if return_lse else out
 
 
 def _sm_count():
