@@ -4,7 +4,9 @@
 
 Runs on NVIDIA GPUs and, unchanged, in Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1).
 Read plain_fwd.py (one thread per query row, the textbook kernel) beside reference/tiled.py,
-then flash_fwd.py (the same algorithm, tuned). The backward: plain_bwd.py beside
+then flash_fwd.py (the same algorithm, tuned), then flash_mma.py (tensor cores through
+warp.py's mma.sync: what flash_attention runs by default for float16 and bfloat16 where it
+applies; kernel_plan says which kernel a call gets). The backward: plain_bwd.py beside
 reference/tiled_backward.py, then flash_bwd.py (tuned: flash_attention_backward(kernel="tuned")).
 """
 from .api import flash_attention, kernel_plan, mma_attention, plain_attention
