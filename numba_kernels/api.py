@@ -75,10 +75,9 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
     (flash_fwd.py) or "mma" (flash_mma.py), and why. kernel="auto" takes the tensor-core
     kernel where it applies (float16 and bfloat16, head dims multiples of 8 up to 128, no
     spec of the SIMT kernel given) and says why not where it falls back; "mma" raises
-    ValueError with that reason instead."""
+    ValueError with that reason instead. num_splits is taken as flash_attention takes it;
+    both kernels split the keys, so it does not decide."""
     _check_kernel(kernel)
-    if kernel == "simt":
-        return "simt", "asked for"
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
     return _plan(pb, kernel, spec)

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from numba_kernels import api, plain_attention
+from reference.dtypes import numpy_dtype
+from verify.cases import edge_cases, make_inputs
+from verify.criterion import judge
 
 
 def flash_attention(q, k, v, **options):
     """These tests are of the SIMT kernel (flash_fwd.py); tests/test_mma.py has the other."""
     return api.flash_attention(q, k, v, kernel="simt", **options)
-from reference.dtypes import numpy_dtype
-from verify.cases import edge_cases, make_inputs
-from verify.criterion import judge
 
 
 

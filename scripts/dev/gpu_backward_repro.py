@@ -45,9 +45,10 @@ def strided_dout(backend):
     for B, H, N, D in ((1, 1, 1, 16), (1, 1, 8, 16), (1, 1, 33, 16), (1, 1, 64, 64)):
         q, k, v, dout = inputs(B, H, N, N, D)
         view = dout.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, strided
+        want = truth(q, k, v, dout)
         print(report(f"{backend} dout strided {(B, H, N, D)}", grads(backend, q, k, v, view),
-                     truth(q, k, v, dout)) + "; with dout contiguous: "
-              + report("", grads(backend, q, k, v, dout), truth(q, k, v, dout)), flush=True)
+                     want) + "; " + report("contiguous", grads(backend, q, k, v, dout), want),
+              flush=True)
 
 
 def layout_after_layout(backend):

@@ -4,8 +4,8 @@
 
 1. verify's battery (the full suite, every dtype; --quick: the standard suite) on
    flash_attention's default (kernel="auto": the tensor-core kernel for the 16-bit cases it
-   takes, the SIMT kernel for the rest), with what only a GPU run of our own kernels shows: every output buffer poisoned with
-   NaN first (every element must be written), and every call preceded by a call of the same
+   takes, the SIMT kernel for the rest), with what only a GPU run of our own kernels shows:
+   every output buffer poisoned with NaN first (every element must be written), and every call preceded by a call of the same
    layout on other tensors, so that the judged call reuses that launch plan (launch.py) and
    must take every pointer from its own arguments. verify does the rest (the float64 truth,
    determinism, inputs unchanged, strided inputs, streams, fully masked rows).

@@ -20,7 +20,7 @@ from reference.dtypes import torch_dtype  # noqa: E402
 SHAPES = [  # (B, H, Nq, Nk, D, options)
     (1, 1, 64, 32, 64, {}),
     (2, 4, 300, 257, 128, {}),
-    (2, 4, 300, 257, 64, {"causal": True}),
+    (2, 4, 300, 257, 64, {"causal": "top_left"}),
     (1, 2, 129, 1000, 128, {"causal": "bottom_right"}),
 ]
 
