@@ -254,7 +254,7 @@ def _mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits):
         if pb.n_k > 0:  # which V tiles hold a NaN or an inf (the kernel's slow path)
             scan = ScanSpec(pb.dtype)
             launch(scan_kernel(scan), scan, (key_tiles, pb.batch * pb.heads_k), SCAN_THREADS,
-                   io.stream, v_dev, v_flags)
+                   io.stream, io.words(v_dev), v_flags, pb.n_k, pb.dv // 2)
         dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
         launch(mma_kernel(spec), spec, (q_tiles, pb.batch * pb.heads_q, n_splits), 128,
                io.stream, *kernel_args(
@@ -335,6 +335,12 @@ class _NumpyIO:
         """uint8 on the device, for the kernels' own use: never copied back."""
         return cuda.device_array(shape, np.uint8)
 
+    @staticmethod
+    def words(x):
+        """The memory of x (from dev: C-contiguous 16-bit values, an even last dim) as flat
+        int32 words, no copy: the pre-pass reads two values a load."""
+        return x.view(np.int32).reshape(x.size // 2)
+
     def mask(self, mask):
         if mask is None:
             return cuda.to_device(np.ones((1, 1, 1, 1), np.uint8)), (0, 0, 0, 0)
@@ -394,6 +400,9 @@ class _TorchIO:
 
     def scratch(self, shape):
         return self.torch.empty(shape, dtype=self.torch.uint8, device=self.device)
+
+    def words(self, x):
+        return x.view(self.torch.int32).reshape(-1)
 
     def mask(self, mask):
         if mask is None:

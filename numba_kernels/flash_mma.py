@@ -2,7 +2,8 @@
 reference/tiled.py with the products S = Q K^T and P V done by mma.sync (warp.py), float32
 accumulation throughout.
 
-    grid:    (query tiles of BLOCK_M = 64 rows, B * Hq, key splits (split-KV; 1 without))
+    grid:    (query tiles of BLOCK_M = 64 rows, the last first; B * Hq; key splits (split-KV; 1
+             without))
     block:   4 warps; warp w owns rows start_m + 16 w .. + 15 of the tile. In every fragment
              lane = 4 g + t holds rows g and g + 8 of its warp's 16 (warp.py draws the layouts).
     shared:  16-bit tiles, rows padded by 8 values (16 bytes) so that the 8 row addresses of an
@@ -187,12 +188,20 @@ def make_scores(D, K_ROW, mma):
     return scores
 
 
-def make_scale_and_mask(masked_score):
+def make_scale_and_mask(masked_score, HAS_MASK):
     @kernel_part
     def scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0, start_n,
-                       lo, hi, interior, n_q, lane):
+                       lo, hi, interior, whole_rows, n_q, lane):
         """S * qk_scale (+ bias), -inf where a row does not see a key. Element e of n-block
-        nb is row row0 + 8 (e // 2), key start_n + 8 nb + 2 t + e % 2."""
+        nb is row row0 + 8 (e // 2), key start_n + 8 nb + 2 t + e % 2. Most tiles are
+        interior (every row sees every key) in a block whose rows all exist: without a mask
+        or bias, there S * qk_scale is all (masked_score's tests cost 8 instructions an
+        element)."""
+        if not HAS_MASK and interior and whole_rows:
+            for nb in range(BLOCK_N // 8):
+                for e in range(4):
+                    s[nb, e] *= qk_scale
+            return
         t = lane % 4
         for nb in range(BLOCK_N // 8):
             for e in range(4):
@@ -300,6 +309,10 @@ def make_pv_seen_pairs(DV, V_ROW, unpack):
 
 
 SCAN_THREADS = 128
+SCAN_UNROLL = 4  # loads a thread has in flight
+# The exponent bits of a 16-bit float: all ones for an inf or a NaN (either sign), in the low
+# and the high value of a 32-bit word.
+EXPONENT_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
 
 
 @dataclass(frozen=True)
@@ -310,25 +323,32 @@ class ScanSpec:
 
 
 def scan_source(spec):
-    """nonfinite_tiles(v, v_flags): v_flags[b, h, t] = 1 where keys t BLOCK_N .. + BLOCK_N - 1
-    of V's head (b, h) hold a NaN or an inf, else 0. One block a tile; V is read once, so the
-    main kernel tests one flag a tile instead of scanning every tile it copies."""
-    load = CONVERTERS[spec.dtype][0]
+    """nonfinite_tiles(words, v_flags, n_k, row_words): v_flags[b, h, t] = 1 where keys
+    t BLOCK_N .. + BLOCK_N - 1 of V's head (b, h) hold a NaN or an inf, else 0. words: V's
+    memory (C-contiguous, (B, Hk, Nk, Dv)) as int32 words of two values, row_words = Dv / 2
+    a key. One block a tile, each thread SCAN_UNROLL coalesced 4-byte loads at a time and a
+    bit test (no conversion, no division); V is read once, so the main kernel tests one
+    flag a tile instead of scanning every tile it copies."""
+    LOW = EXPONENT_BITS[spec.dtype]
+    HIGH = LOW << 16
 
-    def nonfinite_tiles(v, v_flags):
-        t = cuda.blockIdx.x
-        heads, n_k, dv = v.shape[1], v.shape[2], v.shape[3]
-        b, h = cuda.blockIdx.y // heads, cuda.blockIdx.y % heads
+    def nonfinite_tiles(words, v_flags, n_k, row_words):
+        t, head = cuda.blockIdx.x, cuda.blockIdx.y  # head: b * Hk + h
+        first_key = int64(t) * BLOCK_N
+        base = (int64(head) * n_k + first_key) * row_words
+        n = min(BLOCK_N, n_k - first_key) * row_words
         bad = 0  # an int: syncthreads_or takes one
-        for i in range(cuda.threadIdx.x, BLOCK_N * dv, SCAN_THREADS):
-            key = t * BLOCK_N + i // dv
-            if key < n_k:
-                x = load(v[b, h, key, i % dv])
-                if math.isnan(x) or math.isinf(x):
-                    bad = 1
+        for i in range(cuda.threadIdx.x, n, SCAN_UNROLL * SCAN_THREADS):
+            for u in range(SCAN_UNROLL):
+                j = i + u * SCAN_THREADS
+                if j < n:
+                    w = words[base + j]
+                    if (w & LOW) == LOW or (w & HIGH) == HIGH:
+                        bad = 1
         bad = cuda.syncthreads_or(bad)
         if cuda.threadIdx.x == 0:
-            v_flags[b, h, t] = bad
+            heads = v_flags.shape[1]
+            v_flags[head // heads, head % heads, t] = bad
 
     return nonfinite_tiles
 
@@ -379,7 +399,8 @@ def kernel_source(spec):
                            K_TILE)
     init_rows = make_init_rows(VB)
     load_q_fragments, scores = make_load_q_fragments(D, K_ROW), make_scores(D, K_ROW, mma)
-    scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}))
+    scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
+                                         spec.has_mask)
     online_softmax = make_online_softmax(NB, VB)
     pv, pv_seen_pairs = make_pv(DV, V_ROW, mma, pack), make_pv_seen_pairs(DV, V_ROW, unpack)
     store_out = make_store_out(DV, CONVERTERS["float32" if spec.partial else spec.dtype][1])
@@ -404,7 +425,10 @@ def kernel_source(spec):
         q_base = (int64(b) * heads_q + h) * n_q * d  # flat offsets of the head's matrices
         k_base = (int64(b) * heads_k + hk) * n_k * d
         v_base = (int64(b) * heads_k + hk) * n_k * dv
-        start_m = cuda.blockIdx.x * BLOCK_M
+        # The last query tile first: under a causal mask it walks the most keys, and the
+        # blocks launched last (the tail of the grid) are then the shortest.
+        start_m = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M
+        whole_rows = start_m + BLOCK_M <= n_q  # every row of the tile exists
         row0 = start_m + w * 16 + lane // 4  # the lane's rows: row0 and row0 + 8
         kv_len = int64(kv_lengths[b])
         init_rows(m_i, l_i, acc, lo, hi, row0, n_q, kv_len, left, right, bottom_right)
@@ -436,7 +460,7 @@ def kernel_source(spec):
             scores(words, at, q_frag, s, lane)
             interior = start_n >= lo_last and start_n + BLOCK_N <= hi_first  # all rows see it
             scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0,
-                           start_n, lo, hi, interior, n_q, lane)
+                           start_n, lo, hi, interior, whole_rows, n_q, lane)
             online_softmax(s, m_i, l_i, acc)
             if v_flags[b, hk, start_n // BLOCK_N] == 0:  # the pre-pass's flag: one per tile
                 pv(words, at + K_TILE, s, acc, lane)

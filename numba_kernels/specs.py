@@ -132,7 +132,7 @@ def mma_signature(spec):
 
 def scan_signature(spec):
     """Argument types of the tensor-core kernel's pre-pass (flash_mma.scan_source)."""
-    return (_NUMBA_TYPES[CONVERTERS[spec.dtype][2]][:, :, :, ::1], uint8[:, :, ::1])
+    return (int32[::1], uint8[:, :, ::1], int64, int64)
 
 
 def tuned_bwd_signature(spec):

@@ -11,7 +11,7 @@ import verify  # noqa: F401  (selects the simulator on a machine without a GPU)
 from numba_kernels import choose_spec, flash_attention, kernel_plan, mma_attention
 from numba_kernels.convert import SIMULATOR
 from verify.adapters import load
-from verify.cases import battery
+from verify.cases import Case, battery
 from verify.runner import run_case
 
 # (case, dtype): together every feature the adapter claims, both dtypes, a V tile holding NaN
@@ -26,12 +26,18 @@ CASES = [
 ]
 
 
+# 65 query rows: a whole tile, whose first key tile is interior (scaled, not masked), and a
+# tile of one row
+WHOLE_TILE = Case("a whole query tile, no mask", B=1, Hq=1, Hk=1, Nq=65, Nk=40, D=16, Dv=16,
+                  dtype="float16")
+
+
 @pytest.mark.long
 @pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on the GPU")
-@pytest.mark.parametrize("name,dtype", CASES)
+@pytest.mark.parametrize("name,dtype", CASES + [(WHOLE_TILE.name, WHOLE_TILE.dtype)])
 def test_mma_kernel_passes_verify_cases(name, dtype):
     impl = load("numba-mma")
-    case = next(c for c in battery("quick", dtypes=(dtype,)) if c.name == name)
+    case = next((c for c in battery("quick", dtypes=(dtype,)) if c.name == name), WHOLE_TILE)
     if "kv_lengths" not in name:  # one batch element: half the simulator's blocks
         case = replace(case, B=1)
     claimed, why = impl.supports.claims(case)
@@ -101,3 +107,26 @@ def test_mma_split_kv_equals_one_range():
     out, lse = mma_attention(q, k, v, causal="top_left", return_lse=True, num_splits=3)
     np.testing.assert_allclose(out.astype(np.float32), whole.astype(np.float32), atol=2e-3)
     np.testing.assert_allclose(lse, whole_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on the GPU")
+@pytest.mark.parametrize("dtype,exponent", [("float16", 0x7C00), ("bfloat16", 0x7F80)])
+def test_the_pre_pass_flags_exactly_the_tiles_holding_nan_or_inf(dtype, exponent):
+    """nonfinite_tiles over V (1, 2, 33, 8) as 16-bit patterns (33 keys: a tile and one key):
+    inf in a word's high value, NaN in a low one, -inf in the one-key tile; the largest finite
+    values and a subnormal elsewhere must not be flagged."""
+    from numba import cuda
+    from numba_kernels.flash_mma import BLOCK_N, SCAN_THREADS, ScanSpec, scan_kernel
+    bits = np.full((1, 2, 33, 8), exponent - 1, np.uint16)  # the largest finite value
+    bits[0, 1, 5, 3] = 1  # a subnormal
+    cases = {(0, 0, 7, 7): exponent, (0, 1, 0, 0): exponent | 0x40,  # inf, NaN
+             (0, 1, 32, 2): exponent | 0x8000}  # -inf, in the second tile
+    for at, pattern in cases.items():
+        bits[at] = pattern
+    flags = cuda.to_device(np.full((1, 2, 2), 7, np.uint8))
+    words = cuda.to_device(bits.view(np.int32).reshape(-1))
+    scan_kernel(ScanSpec(dtype))[(2, 2), SCAN_THREADS](words, flags, 33, 4)
+    expected = np.zeros((1, 2, 2), np.uint8)
+    for b, h, key, _ in cases:
+        expected[b, h, key // BLOCK_N] = 1
+    np.testing.assert_array_equal(flags.copy_to_host(), expected)

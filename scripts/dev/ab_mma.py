@@ -17,13 +17,16 @@ import _ab_mma_old as old  # noqa: E402
 import numba_kernels as new  # noqa: E402
 from benchmarks.attention_speed import DTYPES, time_ms  # noqa: E402
 
-SHAPES = [(2, 16, 8192, 128, "float16", False), (2, 16, 8192, 128, "bfloat16", False),
-          (4, 16, 4096, 64, "float16", False), (4, 16, 8192, 64, "bfloat16", False),
-          (2, 16, 8192, 128, "float16", True), (2, 16, 1024, 128, "float16", False)]
+# (B, H, Nq, Nk, D, dtype, causal); the last: decoding
+SHAPES = [(2, 16, 8192, 8192, 128, "float16", False), (2, 16, 8192, 8192, 128, "bfloat16", False),
+          (4, 16, 4096, 4096, 64, "float16", False), (4, 16, 8192, 8192, 64, "bfloat16", False),
+          (2, 16, 8192, 8192, 128, "float16", True), (2, 16, 1024, 1024, 128, "float16", False),
+          (8, 8, 1, 32768, 128, "float16", False)]
 
-print(f"{'shape':44s} {'old ms':>8s} {'new ms':>8s} {'new/old':>7s} {'TF/s new':>8s} max|diff|")
-for B, H, N, D, dtype, causal in SHAPES:
-    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=DTYPES[dtype]) for _ in range(3))
+print(f"{'shape':52s} {'old ms':>8s} {'new ms':>8s} {'new/old':>7s} {'TF/s new':>8s} max|diff|")
+for B, H, NQ, NK, D, dtype, causal in SHAPES:
+    q = torch.randn(B, H, NQ, D, device="cuda", dtype=DTYPES[dtype])
+    k, v = (torch.randn(B, H, NK, D, device="cuda", dtype=DTYPES[dtype]) for _ in range(2))
     c = "top_left" if causal else False
     runs = {"old": lambda: old.mma_attention(q, k, v, causal=c),
             "new": lambda: new.mma_attention(q, k, v, causal=c)}
@@ -33,6 +36,6 @@ for B, H, N, D, dtype, causal in SHAPES:
         for name, run in runs.items():
             times[name].append(time_ms(run)[0])
     o, n = min(times["old"]), min(times["new"])
-    tf = 4 * B * H * N * N * D / (2 if causal else 1) / n / 1e9
-    print(f"{str((B, H, N, D, dtype, causal)):44s} {o:8.3f} {n:8.3f} {n / o:7.3f} {tf:8.1f} "
-          f"{diff:.1e}", flush=True)
+    tf = 4 * B * H * NQ * NK * D / (2 if causal else 1) / n / 1e9
+    print(f"{str((B, H, NQ, NK, D, dtype, causal)):52s} {o:8.3f} {n:8.3f} {n / o:7.3f} "
+          f"{tf:8.1f} {diff:.1e}", flush=True)
