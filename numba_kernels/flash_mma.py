@@ -18,10 +18,10 @@ accumulation throughout.
 Per key tile, per warp: S = Q K^T (ldmatrix of K, mma), scaled and masked per element as the
 SIMT kernel does (flash_fwd's masked_score); the online softmax on the fragments (a row's max
 and sum across the 4 lanes that hold it, by shuffles); P rounded to the input dtype in
-registers and multiplied by V (ldmatrix.trans of V, mma). A pair that takes no part has
-P = -0.0 (flash_fwd.NO_PART); where a V tile holds a NaN or an inf (a pre-pass,
-nonfinite_tiles, flags such tiles once per call) the block takes the slow path, which adds in
-float32 only the pairs that take part (0 * NaN would be NaN). One barrier a key tile: every
+registers and multiplied by V (ldmatrix.trans of V, mma). Where a V tile holds a NaN or an
+inf (a pre-pass, nonfinite_tiles, flags such tiles once per call) the block takes the slow
+path: a pair that takes no part gets P = -0.0 (flash_fwd.NO_PART), and only the pairs that
+take part are added, in float32 (0 * NaN would be NaN). One barrier a key tile: every
 thread waits for its copies of tile j, the barrier makes them visible and frees the other
 stage, then tile j + 1 is copied there while tile j is computed.
 
@@ -223,10 +223,12 @@ def row_max(x):
 
 def make_online_softmax(NB, VB):
     @kernel_part
-    def row_update(s, m_i, l_i, half):
-        """Row g + 8 half of the lane: m_new, P = exp2(S - m_new) in place of S (NO_PART where
-        S = -inf), l_i rescaled plus this lane's part of the row sum (the 4 parts are added
-        once, at the end); returns alpha = exp2(m_old - m_new), the factor for acc."""
+    def row_update(s, m_i, l_i, half, mark):
+        """Row g + 8 half of the lane: m_new, P = exp2(S - m_new) in place of S, l_i rescaled
+        plus this lane's part of the row sum (the 4 parts are added once, at the end);
+        returns alpha = exp2(m_old - m_new), the factor for acc. mark: P = NO_PART where
+        S = -inf, for pv_seen_pairs; the fast pv adds exp2(-inf) = +0.0 times a finite
+        value, which is the same sum."""
         tile_max = NEG_INF
         for nb in range(NB):
             tile_max = max(tile_max, max(s[nb, 2 * half], s[nb, 2 * half + 1]))
@@ -236,19 +238,21 @@ def make_online_softmax(NB, VB):
         row_sum = ZERO
         for nb in range(NB):
             for e in range(2 * half, 2 * half + 2):
-                p = math.exp2(s[nb, e] - m_safe)  # 0 where S = -inf, marked next
-                s[nb, e] = NO_PART if s[nb, e] == NEG_INF else p
+                p = math.exp2(s[nb, e] - m_safe)  # 0 where S = -inf
+                if mark:
+                    p = NO_PART if s[nb, e] == NEG_INF else p
+                s[nb, e] = p
                 row_sum += s[nb, e]
         l_i[half] = l_i[half] * alpha + row_sum
         m_i[half] = m_new
         return alpha
 
     @kernel_part
-    def online_softmax(s, m_i, l_i, acc):
+    def online_softmax(s, m_i, l_i, acc, mark):
         """Both rows of the lane, then acc rescaled by their alphas: skipped where both are
         exactly 1 (the row maxima did not move: most key tiles after the first few)."""
-        alpha0 = row_update(s, m_i, l_i, 0)
-        alpha1 = row_update(s, m_i, l_i, 1)
+        alpha0 = row_update(s, m_i, l_i, 0, mark)
+        alpha1 = row_update(s, m_i, l_i, 1, mark)
         if alpha0 != ONE or alpha1 != ONE:
             for vb in range(VB):
                 acc[vb, 0] *= alpha0
@@ -461,11 +465,12 @@ def kernel_source(spec):
             interior = start_n >= lo_last and start_n + BLOCK_N <= hi_first  # all rows see it
             scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0,
                            start_n, lo, hi, interior, whole_rows, n_q, lane)
-            online_softmax(s, m_i, l_i, acc)
-            if v_flags[b, hk, start_n // BLOCK_N] == 0:  # the pre-pass's flag: one per tile
-                pv(words, at + K_TILE, s, acc, lane)
-            else:  # a NaN or an inf in this V tile (the same path for the whole block)
+            nonfinite_v = v_flags[b, hk, start_n // BLOCK_N] != 0  # the pre-pass's flag
+            online_softmax(s, m_i, l_i, acc, nonfinite_v)
+            if nonfinite_v:  # a NaN or an inf in this V tile (the same path for the block)
                 pv_seen_pairs(words, at + K_TILE, s, acc, lane)
+            else:
+                pv(words, at + K_TILE, s, acc, lane)
             stage = 1 - stage
         # split s of batch b at s * B + b (one split: out itself)
         store_out(out, lse, m_i, l_i, acc, split * q.shape[0] + b, h, row0, n_q, dv, lane)
