@@ -299,6 +299,18 @@ else:
         at = builder.gep(data, [context.cast(builder, index, index_type, types.intp)])
         return builder.ptrtoint(at, I64)
 
+    def _shared_address(context, builder, array_type, array, index_type, index):
+        """The 32-bit shared-state-space address of flat element `index` of a shared uint32
+        array: base + 4 index in 32 bits (a shared window is under 4 GB), so that no 64-bit
+        generic address is formed and converted (cvta) per access, and ptxas can fold a
+        constant part of the index into the instruction's offset."""
+        data = context.make_array(array_type)(context, builder, array).data
+        shared = builder.addrspacecast(data, ir.PointerType(data.type.pointee, 3))
+        base = builder.trunc(builder.ptrtoint(shared, I64), I32)
+        offset = builder.shl(builder.trunc(context.cast(builder, index, index_type, types.intp),
+                                           I32), ir.Constant(I32, 2))
+        return builder.add(base, offset)
+
     def _make_mma(kind):
         text = (f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32 "
                 "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")
@@ -325,8 +337,8 @@ else:
     mma_f16, mma_bf16 = _make_mma("f16"), _make_mma("bf16")
 
     def _make_ldmatrix(trans):
-        text = ("{ .reg .u64 a; cvta.to.shared.u64 a, $4; ldmatrix.sync.aligned.m8n8.x4"
-                f"{'.trans' if trans else ''}.shared.b16 {{$0,$1,$2,$3}}, [a]; }}")
+        text = (f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if trans else ''}.shared.b16 "
+                "{$0,$1,$2,$3}, [$4];")
 
         @intrinsic
         def ldmatrix(typingctx, words, index):
@@ -336,9 +348,9 @@ else:
             sig = types.UniTuple(types.uint32, 4)(words, index)
 
             def codegen(context, builder, signature, args):
-                at = _address(context, builder, signature.args[0], args[0],
-                              signature.args[1], args[1])
-                outs = _asm(builder, [I32] * 4, text, "=r,=r,=r,=r,l,~{memory}", [at],
+                at = _shared_address(context, builder, signature.args[0], args[0],
+                                     signature.args[1], args[1])
+                outs = _asm(builder, [I32] * 4, text, "=r,=r,=r,=r,r,~{memory}", [at],
                             side_effect=True)
                 return context.make_tuple(builder, signature.return_type, outs)
 
@@ -404,14 +416,14 @@ else:
         sig = types.void(words, w_index, src, s_index, n_bytes)
 
         def codegen(context, builder, signature, args):
-            dst = _address(context, builder, signature.args[0], args[0], signature.args[1],
-                           args[1])
+            dst = _shared_address(context, builder, signature.args[0], args[0],
+                                  signature.args[1], args[1])
             at = _address(context, builder, signature.args[2], args[2], signature.args[3],
                           args[3])
             n = _u32(context, builder, signature.args[4], args[4])
-            _asm(builder, [], "{ .reg .u64 s, g; cvta.to.shared.u64 s, $0; "
-                 "cvta.to.global.u64 g, $1; cp.async.cg.shared.global [s], [g], 16, $2; }",
-                 "l,l,r,~{memory}", [dst, at, n], side_effect=True)
+            _asm(builder, [], "{ .reg .u64 g; cvta.to.global.u64 g, $1; "
+                 "cp.async.cg.shared.global [$0], [g], 16, $2; }",
+                 "r,l,r,~{memory}", [dst, at, n], side_effect=True)
             return context.get_dummy_value()
 
         return sig, codegen
