@@ -13,6 +13,10 @@ AWKWARD = (1, 2, 3, 15, 16, 17, 31, 32, 33, 37, 63, 64, 65, 113, 127, 128, 129, 
 # padded widths, so a GPU run compiles few variants.
 HEAD_DIMS = (1, 16, 40, 59, 64, 111, 128, 256)
 MAX_SCORES = 2**26  # B * Hq * Nq * Nk per example, so the float64 truth stays quick
+# The same for the gradient properties: the float64 backward on the host keeps several arrays
+# of that many scores (S, P, dP, dS) and runs twice (truth and low-precision emulation): at
+# 2**26 one property took 3 minutes of an H200 machine's host. Nq and Nk still reach 4096.
+GRAD_MAX_SCORES = 2**24
 MAX_OUTPUT = 2**22  # B * Hq * Nq * max(D, Dv): the comparison runs on the host
 
 
@@ -23,9 +27,9 @@ def lengths(limit, label):
 
 @st.composite
 def cases(draw, impl, limits, *, values=None, mask=None, causal=None, kv_lengths=None,
-          window=None, nq=None, nk=None, gqa=None):
-    """A Case the implementation claims. Keyword arguments pin a field instead of drawing it
-    (a strategy, or a plain value)."""
+          window=None, nq=None, nk=None, gqa=None, max_scores=MAX_SCORES):
+    """A Case the implementation claims, with at most max_scores scores (B * Hq * Nq * Nk).
+    Keyword arguments pin a field instead of drawing it (a strategy, or a plain value)."""
     s = impl.supports
 
     def pick(fixed, strategy, label):
@@ -44,7 +48,7 @@ def cases(draw, impl, limits, *, values=None, mask=None, causal=None, kv_lengths
     Hk = draw(st.integers(1, 2), label="Hk")
     group = pick(gqa, st.sampled_from((1, 2, 3, 4) if s.gqa else (1,)), "Hq/Hk")
     Hq = Hk * group
-    b_max = min(limits["max_bh"] // Hq, MAX_SCORES // (Hq * Nq * Nk),
+    b_max = min(limits["max_bh"] // Hq, max_scores // (Hq * Nq * Nk),
                 MAX_OUTPUT // (Hq * Nq * max(D, Dv)))
     if b_max < 1:
         reject()

@@ -6,11 +6,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from .strategies import assert_holds, cases, seeds
+from .strategies import GRAD_MAX_SCORES, assert_holds, cases as any_cases, seeds
 
 
 def _backward(case, **fields):
     return replace(case, backward=True, **fields)
+
+
+def cases(impl, limits, **fields):
+    """The cases of a gradient property: sized for the float64 backward on the host."""
+    return any_cases(impl, limits, max_scores=GRAD_MAX_SCORES, **fields)
 
 
 def test_gradient_error_within_bound(grad_impl, limits):

@@ -96,3 +96,26 @@ def test_the_strategies_draw_only_what_an_implementation_claims():
 
     prop()
     assert drawn and {c.D for c in drawn} <= {16, 40, 64, 128}
+
+
+def test_the_gradient_properties_draw_at_most_grad_max_scores():
+    """The gradient properties' cases stay within GRAD_MAX_SCORES at the gpu profile's sizes
+    (the float64 backward on the host is their cost), and can still be 4096 long."""
+    from hypothesis import given, settings
+
+    from conformance.profiles import LIMITS
+    from conformance.strategies import GRAD_MAX_SCORES
+    from conformance.test_gradients import cases
+    from verify.adapters import Implementation, Supports
+
+    impl = Implementation("any", None, Supports(dtypes=("float32",), max_head_dim=256))
+    drawn = []
+
+    @settings(max_examples=80, database=None, deadline=None)
+    @given(case=cases(impl, LIMITS["gpu"], nq=4096))
+    def prop(case):
+        drawn.append(case)
+        assert case.B * case.Hq * case.Nq * case.Nk <= GRAD_MAX_SCORES, case
+
+    prop()
+    assert drawn
