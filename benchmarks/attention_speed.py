@@ -169,6 +169,8 @@ def plot(rows, path):
         ax.set_xlabel("N")
         ax.set_ylabel("TFLOP/s")
         ax.legend(fontsize=7)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")  # the last row's unused panels
     fig.tight_layout()
     fig.savefig(path, dpi=80)
 

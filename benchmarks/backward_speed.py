@@ -10,7 +10,8 @@ backward alone (the forward's results kept). Shapes (B, H, N, D) = (4, 16, N, 64
 (2, 16, N, 128), causal and not.
 CUDA events, median of repeats (benchmarks/attention_speed.py's time_ms). FLOPs: the forward
 4 B H N^2 D, the backward 2.5 times that, halved for causal. Peak extra memory per call.
-Writes DIR/backward_speed.json; prints a table.
+Writes DIR/backward_speed.json and DIR/backward_speed.png (forward plus backward, TF/s
+against N); prints a table.
 """
 import argparse
 import json
@@ -21,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from attention_speed import BACKENDS, DTYPES, measure, sdpa  # noqa: E402
+from attention_speed import BACKENDS, DTYPES, measure, plot, sdpa  # noqa: E402
 
 from numba_kernels import flash_attention, flash_attention_backward  # noqa: E402
 
@@ -71,6 +72,12 @@ def run_shape(rows, name, dtype, B, H, N, D, causal):
               f"causal={causal!s:5s} {fig}", flush=True)
 
 
+def plot_both(rows, path):
+    """The forward-plus-backward rows as attention_speed.plot draws them (a panel per dtype,
+    D and causal; TF/s against N, a line per implementation)."""
+    plot([dict(r, Nq=r["N"], Nk=r["N"]) for r in rows if r["what"] == "fwd+bwd"], path)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -94,6 +101,7 @@ def main():
                         torch.cuda.empty_cache()  # the shape's tensors are gone now
     with open(os.path.join(a.out, "backward_speed.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    plot_both(rows, os.path.join(a.out, "backward_speed.png"))
     print(f"\n{len(rows)} measurements in {time.time() - t_start:.0f} s")
 
 
