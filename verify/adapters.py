@@ -194,7 +194,7 @@ def _numba(plain=False, backward="plain"):
     def fn(q, k, v, **options):
         return attention(q, k, v, **options)
 
-    def grad(q, k, v, dout, **options):  # the plain backward kernels (plain_bwd.py)
+    def grad(q, k, v, dout, **options):  # plain_bwd.py or flash_bwd.py, as `backward` says
         out, lse = attention(q, k, v, return_lse=True, **options)
         return flash_attention_backward(q, k, v, out, lse, dout, kernel=backward, **options)
 
