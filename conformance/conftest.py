@@ -41,17 +41,17 @@ def pytest_configure(config):
 
 
 def pytest_sessionstart(session):
-    """The bundled kernel's variants, compiled on every core before the first test needs one
-    (once for the machine: numba_kernels/compile_cache.py). Not in xdist's workers."""
+    """The implementation's warm hook (Implementation.warm) before the first test: ours
+    compile their kernel variants on every core, once for the machine
+    (numba_kernels/compile_cache.py), the backward's too with --backward. Not in xdist's
+    workers."""
     config = session.config
-    if config.conformance_impl.name != "numba" or hasattr(config, "workerinput"):
+    impl = config.conformance_impl
+    if impl.warm is None or hasattr(config, "workerinput"):
         return
-    from numba_kernels.compile_cache import warm
-    from numba_kernels.specs import DTYPES, shipped_specs
-
     terminal = config.pluginmanager.get_plugin("terminalreporter")
-    warm(shipped_specs() + list(DTYPES), say=lambda line: terminal.write_line(f"conformance: {line}")
-         if terminal else None)
+    impl.warm(backward=config.getoption("--backward"),
+              say=lambda line: terminal.write_line(f"conformance: {line}") if terminal else None)
 
 
 def _load(config):

@@ -17,8 +17,8 @@ What keeps the cache sound is where each variant lives and what it is filed unde
 FLASH_KERNEL_CACHE=off turns the cache off. The simulator compiles nothing and caches nothing.
 
 warm(specs) compiles variants before a run needs them, on every core (conformance does this
-for the bundled kernel): worker processes compile them into the cache, and the run's own
-first launches load them.
+through an implementation's warm hook: verify.adapters' numba adapters): worker processes
+compile them into the cache, and the run's own first launches load them.
 """
 import hashlib
 import os
@@ -105,14 +105,14 @@ def compiling(kernel):
 
 
 def warm(specs, jobs=None, say=None):
-    """Compile `specs` into the disk cache, with the argument types every launch passes: the
-    tuned kernel's variants (KernelSpecs) and the split-KV merge kernels (their dtypes), on
+    """Compile `specs` (any of specs.gate_specs(): kernel variants, merge kernels by dtype)
+    into the disk cache, with the argument types every launch passes (specs.compiled), on
     `jobs` processes (default: every core), skipping those compiled there before.
     say(line): progress. Returns the number compiled now."""
     if SIMULATOR or cache_root() is None:
         return 0
     cc = cuda.get_current_device().compute_capability
-    todo = [s for s in dict.fromkeys(specs) if not os.path.exists(_marker(s, cc))]
+    todo = [s for s in dict.fromkeys(specs) if not _warmed(s, cc)]
     if not todo:
         return 0
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
@@ -129,22 +129,26 @@ def warm(specs, jobs=None, say=None):
     return len(todo)
 
 
-def _marker(spec, cc):
-    key = ("merge", spec) if isinstance(spec, str) else spec
-    return os.path.join(variant_folder(key), f"warm-sm{cc[0]}{cc[1]}")
+def _marker(kernel, cc):
+    """The file that says `kernel` was warmed for cc, in its cache folder (None: not cached)."""
+    folder = _FOLDERS.get(kernel)
+    return folder and os.path.join(folder, f"warm-sm{cc[0]}{cc[1]}")
+
+
+def _warmed(spec, cc):
+    """Whether `spec` needs no warming: compiled for cc before, or not kept on disk at all."""
+    from .specs import compiled
+
+    marker = _marker(compiled(spec)[0], cc)
+    return marker is None or os.path.exists(marker)
 
 
 def _warm_one(spec):
-    """In a worker process: compile `spec` (a KernelSpec, or a merge kernel's dtype) into the
-    cache."""
-    from .specs import build_kernel, build_merge, merge_signature, signature
+    """In a worker process: compile `spec` into the cache."""
+    from .specs import compiled
 
-    if isinstance(spec, str):
-        kernel, types = build_merge(spec), merge_signature(spec)
-    else:
-        kernel, types = build_kernel(spec), signature(spec)
+    kernel, types = compiled(spec)
     with compiling(kernel):
         kernel.compile(types)
-    cc = cuda.get_current_device().compute_capability
-    open(_marker(spec, cc), "w").close()
+    open(_marker(kernel, cc=cuda.get_current_device().compute_capability), "w").close()
     return spec

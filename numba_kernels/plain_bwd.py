@@ -71,9 +71,11 @@ class PlainBwdSpec:
     has_mask: bool
 
 
-def plain_bwd_specs():
+def plain_bwd_specs(widths):
+    """The variants of the padded head-dim widths a call can launch (specs.HEAD_DIMS; the
+    delta kernel serves the tuned backward too): what the PTX gate compiles."""
     return [PlainBwdSpec(part, w, dtype, m) for part in ("delta", "dkdv", "dq")
-            for w in (64, 128, 256) for dtype in ("float32", "float16", "bfloat16")
+            for w in widths for dtype in ("float32", "float16", "bfloat16")
             for m in ((False,) if part == "delta" else (False, True))]
 
 

@@ -46,10 +46,11 @@ class PlainSpec:
     has_mask: bool
 
 
-def plain_specs():
-    """The variants the PTX report compiles: each tile size, dtype, with and without a mask."""
-    return [PlainSpec(w, dtype, m) for w in PLAIN_TILES for dtype in ("float32", "float16",
-                                                                      "bfloat16")
+def plain_specs(widths):
+    """The variants of the padded head-dim widths a call can launch (specs.HEAD_DIMS), each
+    dtype, with and without a mask: what the PTX gate compiles."""
+    return [PlainSpec(w, dtype, m) for w in widths for dtype in ("float32", "float16",
+                                                                 "bfloat16")
             for m in (False, True)]
 
 

@@ -177,17 +177,11 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         sys.exit("unset NUMBA_ENABLE_CUDASIM: the simulator cannot compile PTX")
-    from numba_kernels.flash_bwd import bwd_specs
-    from numba_kernels.flash_mma import mma_specs
-    from numba_kernels.plain_bwd import plain_bwd_specs
-    from numba_kernels.plain_fwd import plain_specs
-    from numba_kernels.specs import DTYPES, shipped_specs
+    from numba_kernels.specs import gate_specs
 
     cc = tuple(int(x) for x in a.cc.split("."))
     ptxas = find_ptxas()
-    # the kernel variants, the merge kernels, the plain kernels (local memory allowed)
-    specs = (shipped_specs() + list(DTYPES) + plain_specs() + plain_bwd_specs() + bwd_specs()
-             + mma_specs())
+    specs = gate_specs()  # the plain kernels may use local memory (check_variant)
     folder = None if a.no_cache else CACHE
     digest = dependencies_digest(ptxas) if folder else None
     print(f"compiling {len(specs)} kernels for sm_{cc[0]}{cc[1]} with {ptxas}"

@@ -11,13 +11,15 @@ from numba.types import UniTuple, float16
 from reference.dtypes import KERNEL_DTYPES
 from .compile_cache import jit
 from .convert import CONVERTERS
-from .flash_bwd import BwdSpec, bwd_kernel_source
+from .flash_bwd import BwdSpec, bwd_kernel_source, bwd_specs
 from .flash_fwd import ARGS, FASTMATH, KernelSpec, kernel_source
-from .flash_mma import MMA_ARGS, MmaSpec, ScanSpec, scan_source
+from .flash_mma import (MMA_ARGS, MMA_DTYPES, MmaSpec, ScanSpec, mma_kernel, mma_specs,
+                        scan_kernel, scan_source)
 from .flash_mma import kernel_source as mma_kernel_source
-from .plain_bwd import DELTA_ARGS, DKDV_ARGS, DQ_ARGS, PlainBwdSpec
+from .plain_bwd import (DELTA_ARGS, DKDV_ARGS, DQ_ARGS, PlainBwdSpec, plain_bwd_kernel,
+                        plain_bwd_specs)
 from .plain_bwd import bwd_kernel_source as plain_bwd_source
-from .plain_fwd import PLAIN_ARGS, PlainSpec, plain_kernel_source
+from .plain_fwd import PLAIN_ARGS, PlainSpec, plain_kernel, plain_kernel_source, plain_specs
 from .split_kv import merge_source
 
 MAX_HEAD_DIM = 256
@@ -78,6 +80,13 @@ def choose_spec(d, dv, dtype, has_mask, partial=False):
     return KernelSpec(width, width, dtype, has_mask, *tiles,
                       partial=partial and dtype != "float32", qk_load_batch=qk_batch,
                       v_load_batch=v_batch).check()
+
+
+def gate_specs():
+    """Every variant a call can launch, of every kernel: what the PTX gate compiles (the
+    plain kernels and the delta kernel at each padded width pad() gives, the merges by dtype)."""
+    return (shipped_specs() + list(DTYPES) + plain_specs(HEAD_DIMS) + plain_bwd_specs(HEAD_DIMS)
+            + bwd_specs() + mma_specs())
 
 
 def shipped_specs():
@@ -165,6 +174,40 @@ def tuned_bwd_kernel(spec):
 def build_merge(dtype):
     """The split-KV merge kernel writing outputs of `dtype`."""
     return jit(merge_source(dtype), ("merge", dtype), FASTMATH)
+
+
+def compiled(spec):
+    """(kernel, argument types) of any variant gate_specs() lists: the dispatcher a launch
+    uses (through the disk cache) and the types every launch passes, for
+    compile_cache.warm."""
+    if isinstance(spec, str):
+        return build_merge(spec), merge_signature(spec)
+    if isinstance(spec, PlainSpec):
+        return plain_kernel(spec.width, spec.width, spec.dtype, spec.has_mask), \
+            plain_signature(spec)
+    if isinstance(spec, PlainBwdSpec):
+        return plain_bwd_kernel(spec.part, spec.width, spec.width, spec.dtype,
+                                spec.has_mask), plain_bwd_signature(spec)
+    if isinstance(spec, BwdSpec):
+        return tuned_bwd_kernel(spec), tuned_bwd_signature(spec)
+    if isinstance(spec, MmaSpec):
+        return mma_kernel(spec), mma_signature(spec)
+    if isinstance(spec, ScanSpec):
+        return scan_kernel(spec), scan_signature(spec)
+    return build_kernel(spec), signature(spec)
+
+
+def variants(forward, backward=None):
+    """The variants calls of one of our implementations can launch, for warming the cache
+    before a run: forward "simt" (flash_attention(kernel="simt")), "plain" or "mma", with the
+    split-KV merges; backward None, "plain" or "tuned" (with the delta kernel)."""
+    fwd = {"simt": shipped_specs(), "plain": plain_specs(HEAD_DIMS), "mma": mma_specs()}
+    merges = [d for d in DTYPES if forward != "mma" or d in MMA_DTYPES]
+    bwd = [] if backward is None else [s for s in plain_bwd_specs(HEAD_DIMS)
+                                       if s.part == "delta" or backward == "plain"]
+    if backward == "tuned":
+        bwd += bwd_specs()
+    return fwd[forward] + merges + bwd
 
 
 def launch_grid(n_q, batch, heads_q, spec, n_splits=1):

@@ -113,3 +113,17 @@ def _implementation(bug):
 
 CORRECT = _implementation(None)
 DK_NOT_SCALED = _implementation("dk-not-scaled")
+
+
+def _record_warm(backward=False, say=None):
+    """A warm hook (Implementation.warm) that appends what it was asked to $FLASH_WARM_LOG."""
+    import os
+
+    with open(os.environ["FLASH_WARM_LOG"], "a") as f:
+        f.write(f"backward={backward}\n")
+    if say:
+        say("warm hook called")
+
+
+WARMED = _implementation(None)
+WARMED.warm = _record_warm

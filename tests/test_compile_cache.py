@@ -121,16 +121,34 @@ def test_compiles_of_one_variant_take_turns(tmp_path):
 def test_warmed_signatures_are_what_launches_pass():
     """Every launch passes C-contiguous arrays (api.py copies strided torch and CuPy inputs),
     so the signatures warm() compiles must say C for every array, one dimension included (a
-    1-D kv_lengths typed F made every launch miss the warmed entry and compile again)."""
+    1-D kv_lengths typed F made every launch miss the warmed entry and compile again). Every
+    variant of every kernel: warm() takes any of them (specs.compiled)."""
     from numba.core import types
 
-    from numba_kernels.plain_bwd import PlainBwdSpec
-    from numba_kernels.plain_fwd import PlainSpec
-    from numba_kernels.specs import (DTYPES, merge_signature, plain_bwd_signature,
-                                     plain_signature, shipped_specs, signature)
+    from numba_kernels.specs import compiled, gate_specs
 
-    sigs = [signature(s) for s in shipped_specs()] + [merge_signature(d) for d in DTYPES]
-    sigs += [plain_signature(PlainSpec(64, "float16", True)),
-             plain_bwd_signature(PlainBwdSpec("dq", 64, "float16", True))]
+    sigs = [compiled(s)[1] for s in gate_specs()]
     layouts = {t.layout for sig in sigs for t in sig if isinstance(t, types.Array)}
     assert layouts == {"C"}, layouts
+
+
+def test_the_warm_lists_are_variants_the_gate_checks():
+    """What the numba adapters warm is a subset of what the PTX gate compiles, and each list
+    holds what its calls need: the delta kernel with either backward, the 16-bit merges with
+    the tensor-core forward."""
+    from numba_kernels.flash_bwd import BwdSpec
+    from numba_kernels.flash_mma import MmaSpec
+    from numba_kernels.plain_bwd import PlainBwdSpec
+    from numba_kernels.specs import gate_specs, variants
+
+    gate = set(gate_specs())
+    for forward in ("simt", "plain", "mma"):
+        for backward in (None, "plain", "tuned"):
+            wanted = variants(forward, backward)
+            assert set(wanted) <= gate, (forward, backward)
+            parts = {s.part for s in wanted if isinstance(s, PlainBwdSpec)}
+            assert parts == {None: set(), "plain": {"delta", "dkdv", "dq"},
+                             "tuned": {"delta"}}[backward]
+            assert any(isinstance(s, BwdSpec) for s in wanted) == (backward == "tuned")
+            assert any(isinstance(s, MmaSpec) for s in wanted) == (forward == "mma")
+    assert "float32" not in variants("mma") and "bfloat16" in variants("mma")

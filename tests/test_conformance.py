@@ -119,3 +119,19 @@ def test_the_gradient_properties_draw_at_most_grad_max_scores():
 
     prop()
     assert drawn
+
+
+def test_the_suite_calls_the_implementation_warm_hook_once(tmp_path):
+    """pytest conformance calls Implementation.warm once before the tests (ours compile their
+    kernels there), saying whether gradients will be asked for, and shows what it says."""
+    log = tmp_path / "warm.log"
+    for extra, expected in (((), "backward=False"), (("--backward",), "backward=True")):
+        cmd = [sys.executable, "-m", "pytest", "conformance/test_gradients.py", "-p",
+               "no:cacheprovider", "--tb=no", "-W", "ignore", "-k", "gqa", "--impl",
+               "tests.broken_backward:WARMED", "--max-examples", "1", "--no-shrink", *extra]
+        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                             env=dict(os.environ, PYTHONPATH=ROOT, FLASH_WARM_LOG=str(log)))
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "conformance: warm hook called" in run.stdout, run.stdout
+        assert log.read_text().splitlines()[-1] == expected
+    assert len(log.read_text().splitlines()) == 2

@@ -1,8 +1,8 @@
 """Every shipped kernel variant compiles for sm_90 without spills, local memory, float64
 instructions or shared memory over the static limit (numba_kernels/ptx_report.py).
 
-Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling 256
-kernels takes about 14 minutes of CPU: tests/conftest.py starts the report as soon as this
+Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling the 445
+kernels (numba_kernels.specs.gate_specs) takes about 9 minutes on 2 cores: tests/conftest.py starts the report as soon as this
 test is collected, on every core beside the other tests, and runs this test last, to collect
 its result. The report caches each variant's figures under a key of everything they depend
 on (ptx_report.py), so a run after an unchanged kernel compiles nothing; a fresh clone reads
@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from types import SimpleNamespace
 
 import pytest
 
@@ -142,3 +143,33 @@ class _InProcess:
 
     def map(self, fn, items):
         return map(fn, items)
+
+
+def test_the_gate_lists_every_variant_a_call_can_launch():
+    """The variant each kernel would launch for head dims d, dv (every d up to 256, dv = d,
+    d + 1, 8), each dtype and mask, is among gate_specs(): the plain kernels and the delta
+    kernel pad to pad()'s widths, the tuned backward to bwd_width's, the tensor-core kernel
+    to mma_width's."""
+    from numba_kernels.flash_bwd import BwdSpec, bwd_width
+    from numba_kernels.flash_mma import MmaSpec, ScanSpec, mma_plan, mma_width
+    from numba_kernels.plain_bwd import PlainBwdSpec
+    from numba_kernels.plain_fwd import PlainSpec
+    from numba_kernels.specs import DTYPES, MAX_HEAD_DIM, choose_spec, gate_specs, pad
+
+    gate = set(gate_specs())
+    missing = set()
+    for d in range(1, MAX_HEAD_DIM + 1):
+        for dv in {d, min(d + 1, MAX_HEAD_DIM), 8}:
+            w = pad(max(d, dv))
+            for dtype in DTYPES:
+                for m in (False, True):
+                    wanted = [choose_spec(d, dv, dtype, m), choose_spec(d, dv, dtype, m, True),
+                              PlainSpec(w, dtype, m), PlainBwdSpec("delta", w, dtype, False),
+                              PlainBwdSpec("dkdv", w, dtype, m), PlainBwdSpec("dq", w, dtype, m)]
+                    wanted += [BwdSpec(part, bwd_width(d, dv), bwd_width(d, dv), dtype, m)
+                               for part in ("dkdv", "dq")]
+                    if mma_plan(SimpleNamespace(d=d, dv=dv, dtype=dtype)) is None:
+                        wanted += [MmaSpec(mma_width(d), mma_width(dv), dtype, m, p)
+                                   for p in (False, True)] + [ScanSpec(dtype)]
+                    missing |= set(wanted) - gate
+    assert not missing, sorted(map(str, missing))[:10]

@@ -115,10 +115,14 @@ class Implementation:
     # type and layout (verify.backward: torch_grad and jax_grad make one from a forward).
     grad: object = None
     differentiable: bool = True  # fn can be differentiated by its framework (torch, JAX)
+    # Optional: warm(backward, say) prepares what the calls will need before the first one
+    # (ours compile their kernel variants on every core); backward: gradients will be asked
+    # for too; say(line) reports progress. pytest conformance calls it once a session.
+    warm: object = None
 
     def describe(self):
         d = asdict(self)
-        for name in ("fn", "costs", "grad"):
+        for name in ("fn", "costs", "grad", "warm"):
             d.pop(name)
         return d
 
@@ -182,8 +186,7 @@ def _numba(plain=False, backward="plain"):
     kernel="auto" picks for 16-bit inputs is numba-mma), or (plain) the plain one of
     numba_kernels/plain_fwd.py; gradients from the backward kernels `backward`
     (flash_attention_backward's kernel=)."""
-    from numba_kernels import (compile_times, flash_attention, flash_attention_backward,
-                               plain_attention)
+    from numba_kernels import flash_attention, flash_attention_backward, plain_attention
     from numba_kernels.convert import SIMULATOR
 
     def attention(q, k, v, **options):
@@ -198,13 +201,10 @@ def _numba(plain=False, backward="plain"):
         out, lse = attention(q, k, v, return_lse=True, **options)
         return flash_attention_backward(q, k, v, out, lse, dout, kernel=backward, **options)
 
-    def costs():
-        times = compile_times()
-        if not times:
-            return None
-        return (f"numba: {len(times)} kernel variants compiled or loaded from the disk cache "
-                f"in {sum(times.values()):.0f} s (once each per process, at its first call)")
+    def warm(backward=False, say=None):
+        _warm_kernels("plain" if plain else "simt", backward and backward_kernel, say)
 
+    backward_kernel = backward
     on_gpu = not SIMULATOR
     # On a GPU the number of key splits (split_kv.py) depends on the grid, so one (batch,
     # head) alone may be split where the batch is not: equal within the bound, not bitwise.
@@ -216,8 +216,28 @@ def _numba(plain=False, backward="plain"):
                           array="torch" if on_gpu else "numpy",
                           device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
-                          + ("" if on_gpu else " (CUDA simulator)"), costs=costs,
-                          grad=grad, differentiable=False)
+                          + ("" if on_gpu else " (CUDA simulator)"), costs=_numba_costs,
+                          grad=grad, differentiable=False, warm=warm)
+
+
+def _numba_costs():
+    """The line on our kernels' compile time (Implementation.costs)."""
+    from numba_kernels import compile_times
+
+    times = compile_times()
+    if not times:
+        return None
+    return (f"numba: {len(times)} kernel variants compiled or loaded from the disk cache "
+            f"in {sum(times.values()):.0f} s (once each per process, at its first call)")
+
+
+def _warm_kernels(forward, backward, say):
+    """Our kernels' variants that calls of `forward` and `backward` (specs.variants) can
+    launch, compiled into the disk cache on every core (Implementation.warm)."""
+    from numba_kernels.compile_cache import warm
+    from numba_kernels.specs import variants
+
+    warm(variants(forward, backward or None), say=say)
 
 
 def _numba_mma():
@@ -235,9 +255,10 @@ def _numba_mma():
                           array="torch" if on_gpu else "numpy",
                           device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
-                          + ("" if on_gpu else " (CUDA simulator)"),
+                          + ("" if on_gpu else " (CUDA simulator)"), costs=_numba_costs,
                           # the simulator emulates each warp instruction with 32 threads
-                          timeout_s=120.0 if on_gpu else 900.0)
+                          timeout_s=120.0 if on_gpu else 900.0,
+                          warm=lambda backward=False, say=None: _warm_kernels("mma", None, say))
 
 
 BOTH = ("top_left", "bottom_right")
