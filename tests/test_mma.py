@@ -26,9 +26,9 @@ CASES = [
 ]
 
 
-# 65 query rows: a whole tile, whose first key tile is interior (scaled, not masked), and a
-# tile of one row
-WHOLE_TILE = Case("a whole query tile, no mask", B=1, Hq=1, Hk=1, Nq=65, Nk=40, D=16, Dv=16,
+# 64 query rows, one whole tile: its first key tile is interior (scaled, not masked), the
+# second (8 keys) is not
+WHOLE_TILE = Case("a whole query tile, no mask", B=1, Hq=1, Hk=1, Nq=64, Nk=40, D=16, Dv=16,
                   dtype="float16")
 
 
