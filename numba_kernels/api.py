@@ -112,8 +112,7 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
         _mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits)
     else:
         _simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec)
-    out, lse = io.result(out), io.result(lse)
-    return (out, lse) if return_lse else out
+    return _results(io, out, lse, return_lse)
 
 
 def _simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec):
@@ -144,6 +143,12 @@ def _simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
 
 
 MERGE_THREADS = 128
+
+
+def _results(io, out, lse, return_lse):
+    """What a forward call returns: out, or (out, lse), in the caller's array kind."""
+    out, lse = io.result(out), io.result(lse)
+    return (out, lse) if return_lse else out
 
 
 def _check_num_splits(num_splits):
@@ -220,8 +225,7 @@ def plain_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
                             mask=mask_dev, bias=bias_dev, kv_lengths=lengths,
                             out=io.dev(out), lse=io.dev(lse), n_q=pb.n_q, group=pb.group,
                             **_band(pb), **steps))
-    out, lse = io.result(out), io.result(lse)
-    return (out, lse) if return_lse else out
+    return _results(io, out, lse, return_lse)
 
 
 def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
@@ -235,8 +239,7 @@ def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     if why_not:
         raise ValueError(f"the tensor-core kernel does not apply: {why_not}")
     _mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits)
-    out, lse = io.result(out), io.result(lse)
-    return (out, lse) if return_lse else out
+    return _results(io, out, lse, return_lse)
 
 
 def _mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits):

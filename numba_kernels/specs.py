@@ -176,25 +176,36 @@ def build_merge(dtype):
     return jit(merge_source(dtype), ("merge", dtype), FASTMATH)
 
 
-def compiled(spec):
-    """(kernel, argument types) of any variant gate_specs() lists: the dispatcher a launch
-    uses (through the disk cache) and the types every launch passes, for
-    compile_cache.warm."""
-    if isinstance(spec, str):
-        return build_merge(spec), merge_signature(spec)
+def _variant(spec):
+    """(source, kernel, argument types) of any variant gate_specs() lists: makers of the
+    Python function it is compiled from and of the dispatcher a launch uses (through the
+    disk cache), and the types every launch passes. The one place a spec's kind is told."""
+    w = getattr(spec, "width", None)
+    if isinstance(spec, str):  # a merge kernel, by dtype
+        return (lambda: merge_source(spec), lambda: build_merge(spec), merge_signature(spec))
     if isinstance(spec, PlainSpec):
-        return plain_kernel(spec.width, spec.width, spec.dtype, spec.has_mask), \
-            plain_signature(spec)
+        args = (w, w, spec.dtype, spec.has_mask)
+        return (lambda: plain_kernel_source(*args), lambda: plain_kernel(*args),
+                plain_signature(spec))
     if isinstance(spec, PlainBwdSpec):
-        return plain_bwd_kernel(spec.part, spec.width, spec.width, spec.dtype,
-                                spec.has_mask), plain_bwd_signature(spec)
+        args = (spec.part, w, w, spec.dtype, spec.has_mask)
+        return (lambda: plain_bwd_source(*args), lambda: plain_bwd_kernel(*args),
+                plain_bwd_signature(spec))
     if isinstance(spec, BwdSpec):
-        return tuned_bwd_kernel(spec), tuned_bwd_signature(spec)
+        return (lambda: bwd_kernel_source(spec), lambda: tuned_bwd_kernel(spec),
+                tuned_bwd_signature(spec))
     if isinstance(spec, MmaSpec):
-        return mma_kernel(spec), mma_signature(spec)
+        return (lambda: mma_kernel_source(spec), lambda: mma_kernel(spec),
+                mma_signature(spec))
     if isinstance(spec, ScanSpec):
-        return scan_kernel(spec), scan_signature(spec)
-    return build_kernel(spec), signature(spec)
+        return (lambda: scan_source(spec), lambda: scan_kernel(spec), scan_signature(spec))
+    return (lambda: kernel_source(spec), lambda: build_kernel(spec), signature(spec))
+
+
+def compiled(spec):
+    """(kernel, argument types) of any variant gate_specs() lists, for compile_cache.warm."""
+    _, kernel, types = _variant(spec)
+    return kernel(), types
 
 
 def variants(forward, backward=None):
@@ -220,24 +231,9 @@ def launch_grid(n_q, batch, heads_q, spec, n_splits=1):
 
 
 def compile_ptx(spec, cc=(9, 0)):
-    """PTX of a kernel variant (a KernelSpec, with the argument types of signature), or
-    of the merge kernel for a dtype (a str), for compute capability cc, compiled on any machine
-    (no GPU needed) inside numba_internals.compiling_for(cc): for the ptxas report
-    (ptx_report.py), in processes of its own."""
-    if isinstance(spec, str):
-        fn, sig = merge_source(spec), merge_signature(spec)
-    elif isinstance(spec, PlainSpec):
-        fn = plain_kernel_source(spec.width, spec.width, spec.dtype, spec.has_mask)
-        sig = plain_signature(spec)
-    elif isinstance(spec, PlainBwdSpec):
-        fn = plain_bwd_source(spec.part, spec.width, spec.width, spec.dtype, spec.has_mask)
-        sig = plain_bwd_signature(spec)
-    elif isinstance(spec, BwdSpec):
-        fn, sig = bwd_kernel_source(spec), tuned_bwd_signature(spec)
-    elif isinstance(spec, MmaSpec):
-        fn, sig = mma_kernel_source(spec), mma_signature(spec)
-    elif isinstance(spec, ScanSpec):
-        fn, sig = scan_source(spec), scan_signature(spec)
-    else:
-        fn, sig = kernel_source(spec), signature(spec)
-    return cuda.compile_ptx(fn, sig, cc=cc, fastmath=FASTMATH)[0]
+    """PTX of any variant gate_specs() lists, with the argument types every launch passes,
+    for compute capability cc, compiled on any machine (no GPU needed) inside
+    numba_internals.compiling_for(cc): for the ptxas report (ptx_report.py), in processes of
+    its own."""
+    source, _, types = _variant(spec)
+    return cuda.compile_ptx(source(), types, cc=cc, fastmath=FASTMATH)[0]

@@ -22,7 +22,6 @@ def flash_attention(q, k, v, **options):
     return api.flash_attention(q, k, v, kernel="simt", **options)
 
 
-
 def inputs(seed, B=1, Hq=2, Hk=1, Nq=5, Nk=7, D=16, Dv=None, dtype="float32"):
     rng = np.random.default_rng(seed)
     t = numpy_dtype(dtype)

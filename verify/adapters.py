@@ -133,7 +133,7 @@ class Implementation:
 def builtin(name):
     """A built-in adapter by name (see the module docstring)."""
     factories = {"reference": _reference, "numba": _numba, "numba-plain": lambda: _numba(True),
-                 "numba-tuned-backward": lambda: _numba(backward="tuned"),
+                 "numba-tuned-backward": lambda: _numba(backward_kernel="tuned"),
                  "numba-mma": _numba_mma,
                  "flash-attn": _flash_attn}
     for backend in ("math", "efficient", "flash", "cudnn"):
@@ -181,10 +181,10 @@ def _reference():
                           version="float64, flash-conformance", grad=grad)
 
 
-def _numba(plain=False, backward="plain"):
+def _numba(plain=False, backward_kernel="plain"):
     """Our tuned SIMT kernel (flash_attention(kernel="simt"): the tensor-core kernel that
     kernel="auto" picks for 16-bit inputs is numba-mma), or (plain) the plain one of
-    numba_kernels/plain_fwd.py; gradients from the backward kernels `backward`
+    numba_kernels/plain_fwd.py; gradients from the backward kernels `backward_kernel`
     (flash_attention_backward's kernel=)."""
     from numba_kernels import flash_attention, flash_attention_backward, plain_attention
     from numba_kernels.convert import SIMULATOR
@@ -197,20 +197,21 @@ def _numba(plain=False, backward="plain"):
     def fn(q, k, v, **options):
         return attention(q, k, v, **options)
 
-    def grad(q, k, v, dout, **options):  # plain_bwd.py or flash_bwd.py, as `backward` says
+    def grad(q, k, v, dout, **options):  # plain_bwd.py or flash_bwd.py
         out, lse = attention(q, k, v, return_lse=True, **options)
-        return flash_attention_backward(q, k, v, out, lse, dout, kernel=backward, **options)
+        return flash_attention_backward(q, k, v, out, lse, dout, kernel=backward_kernel,
+                                        **options)
 
     def warm(backward=False, say=None):
-        _warm_kernels("plain" if plain else "simt", backward and backward_kernel, say)
+        _warm_kernels("plain" if plain else "simt", backward_kernel if backward else None,
+                      say)
 
-    backward_kernel = backward
     on_gpu = not SIMULATOR
     # On a GPU the number of key splits (split_kv.py) depends on the grid, so one (batch,
     # head) alone may be split where the batch is not: equal within the bound, not bitwise.
     # The plain kernel never splits.
-    name = "numba-plain" if plain else "numba" if backward == "plain" else \
-        f"numba-{backward}-backward"
+    name = "numba-plain" if plain else "numba" if backward_kernel == "plain" else \
+        f"numba-{backward_kernel}-backward"
     return Implementation(name, fn,
                           Supports(batch_invariant=plain or not on_gpu, backward=True),
                           array="torch" if on_gpu else "numpy",
@@ -237,7 +238,7 @@ def _warm_kernels(forward, backward, say):
     from numba_kernels.compile_cache import warm
     from numba_kernels.specs import variants
 
-    warm(variants(forward, backward or None), say=say)
+    warm(variants(forward, backward), say=say)
 
 
 def _numba_mma():
