@@ -1,6 +1,6 @@
-"""flash_attention_backward: the contract's gradients from the backward kernels (flash_bwd.py,
-tuned, the default; plain_bwd.py, one thread per key or row), with flash_attention's
-arguments, checks and array handling."""
+"""flash_attention_backward: the contract's gradients from the backward kernels (flash_mma_bwd.py
+on tensor cores, for 16-bit inputs; flash_bwd.py, tuned SIMT; plain_bwd.py, one thread per key
+or row), with flash_attention's arguments, checks and array handling."""
 import numpy as np
 
 from reference.contract import _shape4
@@ -11,12 +11,15 @@ from .launch import launch
 from .plain_bwd import (DELTA_ARGS, DELTA_THREADS, DKDV_ARGS, DQ_ARGS, plain_bwd_kernel)
 from .plain_fwd import plain_tiles
 from .flash_bwd import BwdSpec, bwd_width
+from .flash_mma import SCAN_THREADS, ScanSpec, mma_plan, mma_width, scan_kernel
+from .flash_mma import BLOCK_N as SCAN_ROWS
+from .flash_mma_bwd import BLOCK as MMA_BLOCK, MmaBwdSpec, mma_bwd_kernel
 from .specs import pad, tuned_bwd_kernel
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=False, mask=None,
                              bias=None, kv_lengths=None, window=None, dlse=None,
-                             kernel="tuned"):
+                             kernel="auto"):
     """(dq, dk, dv): the gradients of the output for incoming gradient dout, per
     docs/contract.md ("Gradients"), in q's dtype and array type.
 
@@ -26,14 +29,25 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     two calls give bitwise equal gradients (no atomic adds). Arithmetic is float32.
     dlse: the gradient of lse too, (B, Hq, Nq) float32, where the loss used it: since
     d lse_i / d s_ij = P_ij, it enters as delta - dlse (dS = P * (dP - delta + dlse)).
-    kernel: "tuned" (flash_bwd.py, register micro-tiles over shared-memory tiles; certified
-    on an H200, PERF.md) or "plain" (plain_bwd.py, one thread per key or row: the one to
-    read first).
+    kernel: "auto" (the default: "mma" where it applies, else "tuned"), "mma"
+    (flash_mma_bwd.py: tensor cores, float16 and bfloat16, head dims multiples of 8 up to
+    128; ValueError where it does not apply), "tuned" (flash_bwd.py, register micro-tiles
+    over shared-memory tiles) or "plain" (plain_bwd.py, one thread per key or row: the one
+    to read first). The tensor-core kernels add every pair of a tile in one product, so a
+    call whose q, k, v or dout holds a NaN or an inf runs "tuned" instead, which adds only
+    the pairs that take part: that takes a check of the inputs (one pass over them, and a
+    wait for its answer).
     """
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {sorted(KERNELS)}, got {kernel!r}")
+    if kernel not in KERNELS and kernel != "auto":
+        raise ValueError(f"kernel must be one of {sorted(KERNELS) + ['auto']}, got {kernel!r}")
     pb, io, _, _ = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
     _check_saved(pb, out, lse, dout)
+    why_not = mma_plan(pb)
+    if why_not and kernel == "mma":
+        raise ValueError(f"kernel='mma': {why_not}")
+    q, k, v, dout = (io.dev(x) for x in (q, k, v, dout))  # on the device, once
+    if kernel in ("auto", "mma"):
+        kernel = "mma" if why_not is None and _finite(io, pb, q, k, v, dout) else "tuned"
     dq = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.d), pb.dtype)
     dk = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.d), pb.dtype)
     dv = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.dv), pb.dtype)
@@ -42,8 +56,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     width = pad(max(pb.d, pb.dv))
     has_mask = mask is not None or bias is not None
     mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
-    named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, bias=bias_dev,
-                 kv_lengths=lengths, dout=io.dev(dout), lse_in=io.dev(lse),
+    named = dict(q=q, k=k, v=v, mask=mask_dev, bias=bias_dev,
+                 kv_lengths=lengths, dout=dout, lse_in=io.dev(lse),
                  delta=io.empty((pb.batch, pb.heads_q, pb.n_q), "float32"), n_q=pb.n_q,
                  group=pb.group, scale=np.float32(pb.scale), **_band(pb), **steps)
     named["delta"] = io.dev(named["delta"])
@@ -87,7 +101,36 @@ def _tuned(pb, io, named, grads, width, has_mask):
                    *_ordered(args, dict(named, **{g: grads[g] for g in out})))
 
 
-KERNELS = {"plain": _plain, "tuned": _tuned}
+def _mma(pb, io, named, grads, width, has_mask):
+    """The tensor-core dK/dV and dQ kernels (flash_mma_bwd.py)."""
+    for part, n, heads, args, out in (("dkdv", pb.n_k, pb.heads_k, DKDV_ARGS, ("dk", "dv")),
+                                      ("dq", pb.n_q, pb.heads_q, DQ_ARGS, ("dq",))):
+        spec = MmaBwdSpec(part, mma_width(pb.d), mma_width(pb.dv), pb.dtype, has_mask)
+        if pb.batch * heads * n:
+            launch(mma_bwd_kernel(spec), spec, (-(-n // MMA_BLOCK), pb.batch * heads),
+                   4 * 32, io.stream, *_ordered(args, dict(named, **{g: grads[g] for g in out})))
+
+
+KERNELS = {"plain": _plain, "tuned": _tuned, "mma": _mma}
+
+
+def _finite(io, pb, *inputs):
+    """Whether no input (16-bit, C-contiguous on the device, an even last dim) holds a NaN or
+    an inf: flash_mma's pre-pass over each, its tile flags reduced on the device and the
+    answer fetched (the one wait for the device this check costs)."""
+    scan, flags = ScanSpec(pb.dtype), []
+    for x in inputs:
+        batch, heads, rows, width = x.shape
+        if batch * heads * rows == 0:
+            continue
+        tiles = -(-rows // SCAN_ROWS)
+        flags.append(io.scratch((batch, heads, tiles)))
+        launch(scan_kernel(scan), scan, (tiles, batch * heads), SCAN_THREADS, io.stream,
+               io.words(x), flags[-1], rows, width // 2)
+    if hasattr(io, "torch"):
+        return not any(bool(f.any()) for f in flags) if len(flags) < 2 else \
+            not bool(io.torch.stack([f.any() for f in flags]).any())
+    return not any(f.copy_to_host().any() for f in flags)
 
 
 def _minus(io, delta, dlse):

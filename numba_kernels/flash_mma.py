@@ -165,16 +165,16 @@ def make_load_q_fragments(D, K_ROW):
     return load_q_fragments
 
 
-def make_scores(D, K_ROW, mma):
+def make_scores(D, K_ROW, mma, KEYS=BLOCK_N):
     @kernel_part
     def scores(words, at, q_frag, s, lane):
-        """S = Q K^T for this warp's 16 rows and the BLOCK_N keys, 16 keys x 16 columns a step:
+        """S = Q K^T for this warp's 16 rows and the KEYS keys, 16 keys x 16 columns a step:
         one ldmatrix.x4 of K gives B fragments for keys 0..7 (matrices 0, 1) and 8..15 (2, 3)."""
         m, r = lane // 8, lane % 8
-        for nb in range(BLOCK_N // 8):
+        for nb in range(KEYS // 8):
             for e in range(4):
                 s[nb, e] = ZERO
-        for n2 in range(BLOCK_N // 16):
+        for n2 in range(KEYS // 16):
             for kk in range(D // 16):
                 b0, b1, b2, b3 = warp.ldmatrix_x4(
                     words, at + (n2 * 16 + r + 8 * (m // 2)) * K_ROW + kk * 8 + 4 * (m % 2))
@@ -263,14 +263,15 @@ def make_online_softmax(NB, VB):
     return online_softmax
 
 
-def make_pv(DV, V_ROW, mma, pack):
+def make_pv(DV, V_ROW, mma, pack, KEYS=BLOCK_N):
     @kernel_part
     def pv(words, at, s, acc, lane):
-        """acc += P V, 16 keys a step: P's fragments of n-blocks 2 n2 and 2 n2 + 1 are the A
-        fragment of keys 16 n2 .. + 15 (packed to the input dtype); one ldmatrix.x4.trans of
-        V gives B fragments for 16 output columns (matrices 0, 1: columns 0..7; 2, 3: 8..15)."""
+        """acc += P V over KEYS keys, 16 a step: P's fragments of n-blocks 2 n2 and 2 n2 + 1
+        are the A fragment of keys 16 n2 .. + 15 (packed to the input dtype); one
+        ldmatrix.x4.trans of V gives B fragments for 16 output columns (matrices 0, 1:
+        columns 0..7; 2, 3: 8..15)."""
         m, r = lane // 8, lane % 8
-        for n2 in range(BLOCK_N // 16):
+        for n2 in range(KEYS // 16):
             a0 = pack(s[2 * n2, 0], s[2 * n2, 1])
             a1 = pack(s[2 * n2, 2], s[2 * n2, 3])
             a2 = pack(s[2 * n2 + 1, 0], s[2 * n2 + 1, 1])

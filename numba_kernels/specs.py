@@ -16,6 +16,7 @@ from .flash_fwd import ARGS, FASTMATH, KernelSpec, kernel_source
 from .flash_mma import (MMA_ARGS, MMA_DTYPES, MmaSpec, ScanSpec, mma_kernel, mma_specs,
                         scan_kernel, scan_source)
 from .flash_mma import kernel_source as mma_kernel_source
+from .flash_mma_bwd import MmaBwdSpec, mma_bwd_kernel, mma_bwd_source, mma_bwd_specs
 from .plain_bwd import (DELTA_ARGS, DKDV_ARGS, DQ_ARGS, PlainBwdSpec, plain_bwd_kernel,
                         plain_bwd_specs)
 from .plain_bwd import bwd_kernel_source as plain_bwd_source
@@ -86,7 +87,7 @@ def gate_specs():
     """Every variant a call can launch, of every kernel: what the PTX gate compiles (the
     plain kernels and the delta kernel at each padded width pad() gives, the merges by dtype)."""
     return (shipped_specs() + list(DTYPES) + plain_specs(HEAD_DIMS) + plain_bwd_specs(HEAD_DIMS)
-            + bwd_specs() + mma_specs())
+            + bwd_specs() + mma_specs() + mma_bwd_specs())
 
 
 def shipped_specs():
@@ -145,7 +146,8 @@ def scan_signature(spec):
 
 
 def tuned_bwd_signature(spec):
-    """Argument types of a tuned backward kernel (flash_bwd.py), C-contiguous arrays."""
+    """Argument types of a tuned or tensor-core backward kernel (flash_bwd.py,
+    flash_mma_bwd.py: the same arguments), C-contiguous arrays."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
     return arg_types(DKDV_ARGS if spec.part == "dkdv" else DQ_ARGS, elem, elem)
 
@@ -194,6 +196,9 @@ def _variant(spec):
     if isinstance(spec, BwdSpec):
         return (lambda: bwd_kernel_source(spec), lambda: tuned_bwd_kernel(spec),
                 tuned_bwd_signature(spec))
+    if isinstance(spec, MmaBwdSpec):
+        return (lambda: mma_bwd_source(spec), lambda: mma_bwd_kernel(spec),
+                tuned_bwd_signature(spec))
     if isinstance(spec, MmaSpec):
         return (lambda: mma_kernel_source(spec), lambda: mma_kernel(spec),
                 mma_signature(spec))
@@ -211,13 +216,18 @@ def compiled(spec):
 def variants(forward, backward=None):
     """The variants calls of one of our implementations can launch, for warming the cache
     before a run: forward "simt" (flash_attention(kernel="simt")), "plain" or "mma", with the
-    split-KV merges; backward None, "plain" or "tuned" (with the delta kernel)."""
+    split-KV merges; backward None, "plain", "tuned" or "mma" (with the delta kernel; "mma"
+    with the tuned kernels, which calls with a NaN or an inf run, and the pre-pass that
+    looks for them)."""
     fwd = {"simt": shipped_specs(), "plain": plain_specs(HEAD_DIMS), "mma": mma_specs()}
     merges = [d for d in DTYPES if forward != "mma" or d in MMA_DTYPES]
     bwd = [] if backward is None else [s for s in plain_bwd_specs(HEAD_DIMS)
                                        if s.part == "delta" or backward == "plain"]
-    if backward == "tuned":
+    if backward in ("tuned", "mma"):
         bwd += bwd_specs()
+    if backward == "mma":
+        bwd += mma_bwd_specs() + [s for s in mma_specs() if isinstance(s, ScanSpec)
+                                  and s not in fwd[forward]]
     return fwd[forward] + merges + bwd
 
 

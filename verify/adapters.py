@@ -7,7 +7,7 @@ what it claims; cases that need anything else are reported "not claimed", not fa
 
 Built-in adapters (imported lazily, by name): reference, numba, numba-plain,
 numba-tuned-backward (numba's forward, gradients from numba_kernels/flash_bwd.py), numba-mma
-(the tensor-core forward of numba_kernels/flash_mma.py alone), torch-math,
+(the tensor-core kernels alone: flash_mma.py's forward, flash_mma_bwd.py's backward), torch-math,
 torch-efficient, torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn. Each states the
 conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
 causal_lower_right), flash-attn's causal is bottom-right; neither returns lse from these
@@ -242,24 +242,33 @@ def _warm_kernels(forward, backward, say):
 
 
 def _numba_mma():
-    """Our tensor-core kernel (numba_kernels/flash_mma.py) alone: float16 and bfloat16, head
-    dims multiples of 8 up to 128; forward only."""
-    from numba_kernels import mma_attention
+    """Our tensor-core kernels alone: the forward of numba_kernels/flash_mma.py and the
+    backward of flash_mma_bwd.py (flash_attention_backward(kernel="mma"), which runs the
+    tuned SIMT backward for inputs holding a NaN or an inf); float16 and bfloat16, head dims
+    multiples of 8 up to 128."""
+    from numba_kernels import flash_attention_backward, mma_attention
     from numba_kernels.convert import SIMULATOR
     from numba_kernels.flash_mma import MMA_DTYPES, MMA_WIDTHS
+
+    def grad(q, k, v, dout, **options):
+        out, lse = mma_attention(q, k, v, return_lse=True, **options)
+        return flash_attention_backward(q, k, v, out, lse, dout, kernel="mma", **options)
+
+    def warm(backward=False, say=None):
+        _warm_kernels("mma", "mma" if backward else None, say)
 
     on_gpu = not SIMULATOR
     return Implementation("numba-mma", lambda q, k, v, **options: mma_attention(q, k, v,
                                                                                **options),
                           Supports(dtypes=MMA_DTYPES, max_head_dim=MMA_WIDTHS[-1],
-                                   head_dim_multiple=8),
+                                   head_dim_multiple=8, backward=True),
                           array="torch" if on_gpu else "numpy",
                           device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
                           + ("" if on_gpu else " (CUDA simulator)"), costs=_numba_costs,
                           # the simulator emulates each warp instruction with 32 threads
-                          timeout_s=120.0 if on_gpu else 900.0,
-                          warm=lambda backward=False, say=None: _warm_kernels("mma", None, say))
+                          timeout_s=120.0 if on_gpu else 900.0, grad=grad,
+                          differentiable=False, warm=warm)
 
 
 BOTH = ("top_left", "bottom_right")

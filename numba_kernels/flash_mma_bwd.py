@@ -1,0 +1,423 @@
+"""The FlashAttention-2 backward on tensor cores, for float16 and bfloat16 inputs: the algorithm
+of flash_bwd.py (reference/tiled_backward.py) with every product done by mma.sync (warp.py),
+float32 accumulation, and P and dS rounded to the input dtype where they enter a product (the
+forward, flash_mma.py, rounds P the same way). Two kernels after plain_bwd's delta kernel
+(delta = rowsum(dO * O)); both take the tuned kernels' arguments (plain_bwd.DKDV_ARGS,
+DQ_ARGS).
+
+    dkdv  grid (key tiles of BLOCK = 64 keys, B * Hk), 4 warps; warp w owns keys
+          start_n + 16 w .. + 15, which are the ROWS of its fragments (S^T, not S). K stays in
+          shared memory, V's A fragments in registers. The block walks the query tiles of QB
+          rows, of every query head of the key head's group, that see its keys (rows_seeing),
+          Q and dO double-buffered by cp.async:
+              S^T = K Q^T, dP^T = V dO^T          accumulator fragments: keys x queries
+              P^T = exp2(S^T qk_scale - lse)      per element, 0 where the row does not see
+              dS^T = P^T (dP^T - delta)           the key (masked_score, the forward's)
+              dV += P^T dO, dK += dS^T Q          P^T and dS^T packed in registers as A
+                                                  fragments (k = queries); dO and Q by
+                                                  ldmatrix.trans, as the forward reads V
+          then dK * scale and dV are stored: the sums over a group's query heads are made in
+          one block, in a fixed order (deterministic).
+    dq    grid (query tiles of BLOCK = 64 rows, the last first, B * Hq), 4 warps of 16 rows as
+          in the forward; Q's and dO's A fragments in registers; K and V tiles of 32 keys
+          double-buffered by cp.async (flash_mma's copies):
+              S = Q K^T, dP = dO V^T              flash_mma's scores, scale_and_mask
+              P = exp2(S - lse), dS = P (dP - delta)
+              dQ += dS K                          flash_mma's pv, K in V's place
+          then dQ * scale is stored. No atomic adds: two runs are bitwise equal.
+
+Shared memory (32-bit words; rows of 16-bit values padded by 8 values, as in flash_mma.py):
+    dkdv: K (64, D + 8) | stage 0: Q (QB, D + 8), dO (QB, DV + 8) | stage 1: the same; V
+          (64, DV + 8) lands in the stages first, and leaves for registers before they fill
+    dq:   stage 0: K (32, D + 8), V (32, DV + 8) | stage 1: the same; Q (64, D + 8) and dO
+          (64, DV + 8) land there first, and leave for registers
+QB = 32 query rows a step at head dims up to 64, 16 above: what fits 48 KB of static shared
+memory beside K.
+
+Inputs must be finite: a product of mma.sync adds every pair, so a NaN in Q, K, V or dO of a
+pair that takes no part (0 * NaN) would reach the gradients, where the SIMT kernels add only
+the pairs that take part. flash_attention_backward checks (the forward's pre-pass,
+flash_mma.nonfinite_tiles, over each input) and runs the tuned SIMT kernels otherwise.
+"""
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from numba import cuda
+
+from . import warp
+from .compile_cache import jit
+from .convert import CONVERTERS, float32, int64, uint32
+from .flash_fwd import (F_LOG2E, FASTMATH, NEG_INF, NO_PART, ZERO, check_parameters,
+                        kernel_part, key_range_device, key_tiles, make_masked_score)
+from .flash_mma import (BLOCK_N as KEY_TILE, MMA_DTYPES, MMA_WIDTHS, PAD, WARPS,
+                        make_copy_kv, make_copy_tile, make_load_q_fragments, make_pv,
+                        make_scale_and_mask, make_scores)
+from .plain_bwd import DKDV_ARGS, DQ_ARGS
+
+BLOCK = 16 * WARPS  # keys of a dkdv block, query rows of a dq block
+THREADS = 32 * WARPS
+
+
+@dataclass(frozen=True)
+class MmaBwdSpec:
+    """One compiled variant of a tensor-core backward kernel."""
+
+    part: str  # "dkdv" or "dq"
+    d: int  # head dims, padded to MMA_WIDTHS
+    dv: int
+    dtype: str
+    has_mask: bool
+
+    def check(self):
+        if self.part not in ("dkdv", "dq") or self.d not in MMA_WIDTHS \
+                or self.dv not in MMA_WIDTHS or self.dtype not in MMA_DTYPES:
+            raise ValueError(f"MmaBwdSpec: part dkdv or dq, d and dv in {MMA_WIDTHS}, dtype in "
+                             f"{MMA_DTYPES}; got {self}")
+        return self
+
+    @property
+    def qb(self):
+        """Query rows a dkdv step."""
+        return 32 if max(self.d, self.dv) <= 64 else 16
+
+    @property
+    def words(self):
+        """(row words of a Q/K tile, of a V/dO tile, where the stages start, words of a
+        stage, total words of shared memory)."""
+        k_row, v_row = (self.d + PAD) // 2, (self.dv + PAD) // 2
+        if self.part == "dkdv":
+            stages_at, stage = BLOCK * k_row, self.qb * (k_row + v_row)
+            return k_row, v_row, stages_at, stage, stages_at + max(2 * stage, BLOCK * v_row)
+        stage = KEY_TILE * (k_row + v_row)
+        return k_row, v_row, 0, stage, max(2 * stage, BLOCK * (k_row + v_row))
+
+
+def mma_bwd_specs():
+    """Every variant a call can launch: the PTX gate compiles each."""
+    return [MmaBwdSpec(part, d, dv, dtype, m).check() for part in ("dkdv", "dq")
+            for d in MMA_WIDTHS for dv in MMA_WIDTHS for dtype in MMA_DTYPES
+            for m in (False, True)]
+
+
+@kernel_part
+def rows_seeing(start_n, last_key, n_q, kv_len, left, right, bottom_right):
+    """(begin, end): the query rows begin <= i < end that see a key start_n <= j < last_key.
+    key_range's lo and hi are monotone in the row: two binary searches, for the first row
+    whose hi passes start_n and the first whose lo reaches last_key."""
+    lo_i, hi_i = int64(0), int64(n_q)
+    while lo_i < hi_i:
+        mid = (lo_i + hi_i) // 2
+        if key_range_device(mid, n_q, kv_len, left, right, bottom_right)[1] > start_n:
+            hi_i = mid
+        else:
+            lo_i = mid + 1
+    begin, hi_i = lo_i, int64(n_q)
+    while lo_i < hi_i:
+        mid = (lo_i + hi_i) // 2
+        if key_range_device(mid, n_q, kv_len, left, right, bottom_right)[0] >= last_key:
+            hi_i = mid
+        else:
+            lo_i = mid + 1
+    return begin, lo_i
+
+
+def make_scores_t(KDIM, A_ROW, B_ROW, COLS, mma):
+    @kernel_part
+    def scores_t(words, a_at, b_at, c, lane, w):
+        """c = A B^T for A's rows 16 w .. + 15 (at word a_at, A fragments by ldmatrix, as
+        flash_mma's load_q_fragments) and B's COLS rows (at b_at, B fragments as flash_mma's
+        scores), KDIM columns of both: S^T = K Q^T with K read from shared memory."""
+        m, r = lane // 8, lane % 8
+        for nb in range(COLS // 8):
+            for e in range(4):
+                c[nb, e] = ZERO
+        for kk in range(KDIM // 16):
+            a0, a1, a2, a3 = warp.ldmatrix_x4(
+                words, a_at + (w * 16 + r + 8 * (m % 2)) * A_ROW + kk * 8 + 4 * (m // 2))
+            for n2 in range(COLS // 16):
+                b0, b1, b2, b3 = warp.ldmatrix_x4(
+                    words, b_at + (n2 * 16 + r + 8 * (m // 2)) * B_ROW + kk * 8 + 4 * (m % 2))
+                for half in range(2):
+                    nb = 2 * n2 + half
+                    c[nb, 0], c[nb, 1], c[nb, 2], c[nb, 3] = mma(
+                        a0, a1, a2, a3, b0 if half == 0 else b2, b1 if half == 0 else b3,
+                        c[nb, 0], c[nb, 1], c[nb, 2], c[nb, 3])
+
+    return scores_t
+
+
+def make_column_stats(NB):
+    @kernel_part
+    def column_stats(lse_c, delta_c, lo_c, hi_c, lse_in, delta, b, h, start_q, n_q, kv_len,
+                     left, right, bottom_right, lane):
+        """For the lane's query columns start_q + 8 nb + 2 t + c (c = 0, 1): lse (log2
+        units), delta and the keys lo <= j < hi the row sees; columns past n_q: 0."""
+        t = lane % 4
+        for nb in range(NB):
+            for c in range(2):
+                col = start_q + 8 * nb + 2 * t + c
+                ok = col < n_q
+                lse_c[nb, c] = lse_in[b, h, col] * F_LOG2E if ok else ZERO
+                delta_c[nb, c] = delta[b, h, col] if ok else ZERO
+                lo_c[nb, c], hi_c[nb, c] = key_range_device(col, n_q, kv_len, left, right,
+                                                            bottom_right)
+
+    return column_stats
+
+
+def make_kv_probabilities(NB, masked_score, HAS_MASK):
+    @kernel_part
+    def probabilities(s, dp, lse_c, delta_c, lo_c, hi_c, qk_scale, mask, bias, mask_steps,
+                      bias_steps, b, h, key0, start_q, n_q, interior, lane):
+        """P^T = exp2(S^T qk_scale - lse) in place of S^T, dS^T = P^T (dP^T - delta) in place
+        of dP^T; element e of n-block nb is key key0 + 8 (e // 2), query column
+        start_q + 8 nb + 2 t + e % 2. Where the row does not see the key: P = NO_PART, dS = 0
+        (selected). An interior tile without mask or bias is scaled only."""
+        t = lane % 4
+        for nb in range(NB):
+            for e in range(4):
+                c = e % 2
+                x = s[nb, e] * qk_scale
+                if HAS_MASK or not interior:
+                    x = masked_score(x, mask, bias, mask_steps, bias_steps, b, h,
+                                     start_q + 8 * nb + 2 * t + c, key0 + 8 * (e // 2),
+                                     lo_c[nb, c], hi_c[nb, c], False, n_q)
+                p = NO_PART if x == NEG_INF else math.exp2(x - lse_c[nb, c])
+                dp[nb, e] = ZERO if x == NEG_INF else p * (dp[nb, e] - delta_c[nb, c])
+                s[nb, e] = p
+
+    return probabilities
+
+
+def make_store_rows(COLS, store):
+    @kernel_part
+    def store_rows(x, acc, b, h, row0, n, width, factor, lane):
+        """x[b, h, row, col] = acc * factor for the lane's rows row0, row0 + 8 (< n) and its
+        columns 8 cb + 2 t + e (< width) of the accumulator fragments."""
+        t = lane % 4
+        for half in range(2):
+            row = row0 + 8 * half
+            if row < n:
+                for cb in range(COLS // 8):
+                    for e in range(2):
+                        col = cb * 8 + 2 * t + e
+                        if col < width:
+                            x[b, h, row, col] = store(acc[cb, 2 * half + e] * factor)
+
+    return store_rows
+
+
+@kernel_part
+def zero(acc):
+    for i in range(acc.shape[0]):
+        for e in range(4):
+            acc[i, e] = ZERO
+
+
+def _products(spec):
+    return (warp.mma_f16, warp.pack_f16) if spec.dtype == "float16" else \
+        (warp.mma_bf16, warp.pack_bf16)
+
+
+def dkdv_kernel_source(spec):
+    """The dK, dV kernel of variant `spec` (part "dkdv"): one block per 64 keys."""
+    spec.check()
+    D, DV, QB, NB = spec.d, spec.dv, spec.qb, spec.qb // 8
+    K_ROW, V_ROW, STAGES_AT, STAGE, WORDS = spec.words
+    Q_TILE = QB * K_ROW  # words of a stage's Q tile: its dO tile follows
+    DB, VB, VSTEPS = D // 8, DV // 8, DV // 16  # fragments of dK, of dV, steps of V's
+    mma, pack = _products(spec)
+    copy_k, copy_v = make_copy_tile(BLOCK, D, K_ROW), make_copy_tile(BLOCK, DV, V_ROW)
+    copy_q, copy_do = make_copy_tile(QB, D, K_ROW), make_copy_tile(QB, DV, V_ROW)
+    load_v_fragments = make_load_q_fragments(DV, V_ROW)
+    scores_s = make_scores_t(D, K_ROW, K_ROW, QB, mma)  # S^T = K Q^T
+    scores_dp = make_scores(DV, V_ROW, mma, QB)  # dP^T = V dO^T, V's fragments in registers
+    column_stats = make_column_stats(NB)
+    probabilities = make_kv_probabilities(
+        NB, make_masked_score({"HAS_MASK": spec.has_mask}), spec.has_mask)
+    dv_product, dk_product = make_pv(DV, V_ROW, mma, pack, QB), make_pv(D, K_ROW, mma, pack, QB)
+    store = CONVERTERS[spec.dtype][1]
+    store_dk, store_dv = make_store_rows(D, store), make_store_rows(DV, store)
+
+    def mma_dkdv(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, dk, dv, n_q, group,
+                 qk_scale, scale, left, right, bottom_right, mask_steps, bias_steps):
+        words = cuda.shared.array(WORDS, uint32)
+        v_frag = cuda.local.array((VSTEPS, 4), uint32)  # this warp's keys of V, A fragments
+        s = cuda.local.array((NB, 4), float32)  # S^T, then P^T
+        dp = cuda.local.array((NB, 4), float32)  # dP^T, then dS^T
+        dk_acc = cuda.local.array((DB, 4), float32)
+        dv_acc = cuda.local.array((VB, 4), float32)
+        lse_c = cuda.local.array((NB, 2), float32)  # per query column of the lane
+        delta_c = cuda.local.array((NB, 2), float32)
+        lo_c = cuda.local.array((NB, 2), int64)
+        hi_c = cuda.local.array((NB, 2), int64)
+
+        tid = cuda.threadIdx.x
+        w, lane = tid // 32, tid % 32
+        heads_q, heads_k, n_k = q.shape[1], k.shape[1], k.shape[2]
+        d, d_v = q.shape[3], v.shape[3]
+        b, hk = cuda.blockIdx.y // heads_k, cuda.blockIdx.y % heads_k
+        start_n = int64(cuda.blockIdx.x) * BLOCK
+        key0 = start_n + w * 16 + lane // 4  # the lane's keys: key0 and key0 + 8
+        kv_len = int64(kv_lengths[b])
+        zero(dk_acc)
+        zero(dv_acc)
+        if start_n < kv_len:  # else every key of the tile is hidden: dK = dV = 0
+            last_key = min(start_n + BLOCK, kv_len)
+            begin, end = rows_seeing(start_n, last_key, n_q, kv_len, left, right, bottom_right)
+            first_q = begin // QB * QB
+            tiles = (end - first_q + QB - 1) // QB if end > begin else int64(0)
+            kv_at = (int64(b) * heads_k + hk) * n_k
+            copy_k(words, 0, k, kv_at * d, start_n, kv_len, d)
+            copy_v(words, STAGES_AT, v, kv_at * d_v, start_n, kv_len, d_v)
+            warp.cp_async_commit()
+            warp.cp_async_wait(0)
+            cuda.syncthreads()  # Barrier: K and V have landed.
+            load_v_fragments(words, STAGES_AT, v_frag, lane, w)
+            cuda.syncthreads()  # Barrier: every warp has V's fragments: the stages are free.
+            h_next, q_next = int64(hk) * group, first_q  # the next query tile to copy
+            if tiles > 0:  # group: the first query tile, into stage 0
+                at_q = (int64(b) * heads_q + h_next) * n_q
+                copy_q(words, STAGES_AT, q, at_q * d, q_next, n_q, d)
+                copy_do(words, STAGES_AT + Q_TILE, dout, at_q * d_v, q_next, n_q, d_v)
+                warp.cp_async_commit()
+            stage = 0
+            for _ in range(group * tiles):  # the group's heads in order, their tiles in order
+                h, start_q = h_next, q_next
+                q_next += QB
+                if q_next >= first_q + tiles * QB:
+                    h_next, q_next = h_next + 1, first_q
+                warp.cp_async_wait(0)  # this thread's copies of this tile have landed
+                # Barrier: every thread's copies of this tile have landed, and every warp is
+                # done with the other stage, which the next copy overwrites.
+                cuda.syncthreads()
+                if h_next < (hk + 1) * group:  # the next tile, into the other stage
+                    at_q = (int64(b) * heads_q + h_next) * n_q
+                    at = STAGES_AT + (1 - stage) * STAGE
+                    copy_q(words, at, q, at_q * d, q_next, n_q, d)
+                    copy_do(words, at + Q_TILE, dout, at_q * d_v, q_next, n_q, d_v)
+                    warp.cp_async_commit()
+                at = STAGES_AT + stage * STAGE
+                column_stats(lse_c, delta_c, lo_c, hi_c, lse_in, delta, b, h, start_q, n_q,
+                             kv_len, left, right, bottom_right, lane)
+                scores_s(words, 0, at, s, lane, w)
+                scores_dp(words, at + Q_TILE, v_frag, dp, lane)
+                last_row = min(start_q + QB, n_q) - 1
+                interior = (start_q + QB <= n_q and key_range_device(
+                    last_row, n_q, kv_len, left, right, bottom_right)[0] <= start_n
+                    and key_range_device(start_q, n_q, kv_len, left, right,
+                                         bottom_right)[1] >= start_n + BLOCK)
+                probabilities(s, dp, lse_c, delta_c, lo_c, hi_c, qk_scale, mask, bias,
+                              mask_steps, bias_steps, b, h, key0, start_q, n_q, interior, lane)
+                dv_product(words, at + Q_TILE, s, dv_acc, lane)  # dV += P^T dO
+                dk_product(words, at, dp, dk_acc, lane)  # dK += dS^T Q
+                stage = 1 - stage
+        store_dk(dk, dk_acc, b, hk, key0, n_k, d, scale, lane)
+        store_dv(dv, dv_acc, b, hk, key0, n_k, d_v, float32(1.0), lane)
+
+    return check_parameters(mma_dkdv, tuple(a[0] for a in DKDV_ARGS))
+
+
+def dq_kernel_source(spec):
+    """The dQ kernel of variant `spec` (part "dq"): one block per 64 query rows."""
+    spec.check()
+    D, DV, NB = spec.d, spec.dv, KEY_TILE // 8
+    K_ROW, V_ROW, _, STAGE, WORDS = spec.words
+    K_TILE = KEY_TILE * K_ROW  # words of a stage's K tile: its V tile follows
+    QSTEPS, VSTEPS, DB = D // 16, DV // 16, D // 8  # fragments of Q, of dO, of dQ
+    mma, pack = _products(spec)
+    copy_q, copy_do = make_copy_tile(BLOCK, D, K_ROW), make_copy_tile(BLOCK, DV, V_ROW)
+    copy_kv = make_copy_kv(make_copy_tile(KEY_TILE, D, K_ROW),
+                           make_copy_tile(KEY_TILE, DV, V_ROW), K_TILE)
+    load_q_fragments = make_load_q_fragments(D, K_ROW)
+    load_do_fragments = make_load_q_fragments(DV, V_ROW)
+    scores_s, scores_dp = make_scores(D, K_ROW, mma), make_scores(DV, V_ROW, mma)
+    scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
+                                         spec.has_mask)
+    dq_product = make_pv(D, K_ROW, mma, pack)  # dQ += dS K: K in the forward's V place
+    store_dq = make_store_rows(D, CONVERTERS[spec.dtype][1])
+
+    def mma_dq(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, dq, n_q, group, qk_scale,
+               scale, left, right, bottom_right, mask_steps, bias_steps):
+        words = cuda.shared.array(WORDS, uint32)
+        q_frag = cuda.local.array((QSTEPS, 4), uint32)  # this warp's rows, A fragments
+        do_frag = cuda.local.array((VSTEPS, 4), uint32)
+        s = cuda.local.array((NB, 4), float32)  # S, then P
+        dp = cuda.local.array((NB, 4), float32)  # dP, then dS
+        dq_acc = cuda.local.array((DB, 4), float32)
+        lse_r = cuda.local.array(2, float32)  # rows g and g + 8: lse (log2 units), delta
+        delta_r = cuda.local.array(2, float32)
+        lo = cuda.local.array(2, int64)
+        hi = cuda.local.array(2, int64)
+
+        tid = cuda.threadIdx.x
+        w, lane = tid // 32, tid % 32
+        heads_q, heads_k, n_k = q.shape[1], k.shape[1], k.shape[2]
+        d, d_v = q.shape[3], v.shape[3]
+        b, h = cuda.blockIdx.y // heads_q, cuda.blockIdx.y % heads_q
+        hk = h // group
+        start_m = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK  # the last tile first
+        row0 = start_m + w * 16 + lane // 4  # the lane's rows: row0 and row0 + 8
+        kv_len = int64(kv_lengths[b])
+        whole_rows = start_m + BLOCK <= n_q
+        zero(dq_acc)
+        for half in range(2):
+            row = row0 + 8 * half
+            ok = row < n_q
+            lse_r[half] = lse_in[b, h, row] * F_LOG2E if ok else ZERO
+            delta_r[half] = delta[b, h, row] if ok else ZERO
+            lo[half], hi[half] = key_range_device(row, n_q, kv_len, left, right, bottom_right)
+        first, last, lo_last, hi_first = key_tiles(
+            start_m, min(start_m + BLOCK, n_q) - 1, n_q, kv_len, left, right, bottom_right, 0,
+            n_k, KEY_TILE)
+        at_q = (int64(b) * heads_q + h) * n_q
+        copy_q(words, 0, q, at_q * d, start_m, n_q, d)
+        copy_do(words, BLOCK * K_ROW, dout, at_q * d_v, start_m, n_q, d_v)
+        warp.cp_async_commit()
+        warp.cp_async_wait(0)
+        cuda.syncthreads()  # Barrier: Q and dO have landed.
+        load_q_fragments(words, 0, q_frag, lane, w)
+        load_do_fragments(words, BLOCK * K_ROW, do_frag, lane, w)
+        cuda.syncthreads()  # Barrier: every warp has its fragments: the stages are free.
+        k_at = (int64(b) * heads_k + hk) * n_k
+        if first < last:  # group: the first key tile, into stage 0
+            copy_kv(words, 0, k, v, k_at * d, k_at * d_v, first, last, d, d_v)
+            warp.cp_async_commit()
+        stage = 0
+        for start_n in range(first, last, KEY_TILE):
+            warp.cp_async_wait(0)  # this thread's copies of this tile have landed
+            # Barrier: every thread's copies of this tile have landed, and every warp is done
+            # with the other stage, which the next copy overwrites.
+            cuda.syncthreads()
+            if start_n + KEY_TILE < last:  # the next tile, into the other stage
+                copy_kv(words, (1 - stage) * STAGE, k, v, k_at * d, k_at * d_v,
+                        start_n + KEY_TILE, last, d, d_v)
+                warp.cp_async_commit()
+            at = stage * STAGE
+            scores_s(words, at, q_frag, s, lane)
+            scores_dp(words, at + K_TILE, do_frag, dp, lane)
+            interior = start_n >= lo_last and start_n + KEY_TILE <= hi_first
+            scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0,
+                           start_n, lo, hi, interior, whole_rows, n_q, lane)
+            for nb in range(NB):  # P and dS, 0 where the row does not see the key
+                for e in range(4):
+                    x = s[nb, e]
+                    p = NO_PART if x == NEG_INF else math.exp2(x - lse_r[e // 2])
+                    dp[nb, e] = ZERO if x == NEG_INF else p * (dp[nb, e] - delta_r[e // 2])
+            dq_product(words, at, dp, dq_acc, lane)  # dQ += dS K
+            stage = 1 - stage
+        store_dq(dq, dq_acc, b, h, row0, n_q, d, scale, lane)
+
+    return check_parameters(mma_dq, tuple(a[0] for a in DQ_ARGS))
+
+
+def mma_bwd_source(spec):
+    return (dkdv_kernel_source if spec.part == "dkdv" else dq_kernel_source)(spec)
+
+
+@lru_cache(maxsize=32)
+def mma_bwd_kernel(spec):
+    """The compiled kernel of a variant (through the on-disk compile cache)."""
+    return jit(mma_bwd_source(spec), ("mma-bwd", spec.part, spec.d, spec.dv, spec.dtype,
+                                      spec.has_mask), FASTMATH)

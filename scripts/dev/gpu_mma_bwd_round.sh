@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# On a GPU machine, one round of work on the tensor-core backward (flash_mma_bwd.py): verify's
+# standard backward suite for numba-mma, then the backward benchmark beside PyTorch's backends
+# (BWD_DTYPES, default the 16-bit ones), one after the other (nothing else on the GPU while
+# it times). PART=conformance instead: the conformance gradient properties of numba-mma, its
+# warm-up timed, and an ncu profile of the two kernels. Everything lands in $OUT.
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if [[ "${PART:-verify}" == verify ]]; then
+  start=$(date +%s)
+  timeout 240 python3 -W ignore -m verify numba-mma --suite standard --backward --timeout 60 \
+    --json "$OUT/backward-numba-mma.json" > "$OUT/backward-numba-mma.log" 2>&1
+  echo "verify numba-mma --backward: rc=$? in $(( $(date +%s) - start )) s"
+  grep -v "^  *ok\|Warn" "$OUT/backward-numba-mma.log" | tail -25
+  start=$(date +%s)
+  timeout 330 python3 -W ignore benchmarks/backward_speed.py --out "$OUT" \
+    --n ${BWD_N:-1024,2048,4096,8192} --dtypes ${BWD_DTYPES:-bfloat16,float16} \
+    --impls ${BWD_IMPLS:-numba-mma,numba-tuned,flash,efficient,cudnn,math} \
+    --budget-s ${BENCH_BUDGET:-240} > "$OUT/backward_speed.log" 2>&1
+  echo "backward_speed rc=$? in $(( $(date +%s) - start )) s"; grep -v Warn "$OUT/backward_speed.log"
+else
+  start=$(date +%s)
+  timeout -s INT -k 20 ${GRAD_TIMEOUT:-300} python3 -m pytest conformance --impl numba-mma \
+    --backward -k gradient -p no:cacheprovider -W ignore -rfs -q --durations=5 \
+    > "$OUT/conformance-grad-mma.log" 2>&1
+  echo "pytest conformance --impl numba-mma --backward -k gradient: rc=$? in $(( $(date +%s) - start )) s"
+  grep -i "warm\|compil\|passed\|failed\|slowest\|[0-9]s call" "$OUT/conformance-grad-mma.log" | tail -15
+  KEYS="^    (Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|Executed Instructions  |Block Limit (Reg|Shared)|Warp Cycles Per Issued)|(Stall|stall)"
+  for dtype in bfloat16; do
+    timeout 150 ncu --clock-control none --set full -k regex:'mma_dkdv|mma_dq' --launch-skip 2 \
+      --launch-count 2 python3 scripts/dev/profile_backward.py 128 4096 $dtype mma \
+      > "$OUT/ncu_mma_bwd_$dtype.txt" 2>&1
+    echo "ncu mma backward $dtype rc=$?"
+    grep -E "^  [a-z_]|$KEYS" "$OUT/ncu_mma_bwd_$dtype.txt" | grep -v "^    -" | head -40
+  done
+fi
