@@ -47,7 +47,7 @@ from numba import cuda
 
 from . import warp
 from .compile_cache import jit
-from .convert import CONVERTERS, float32, int64, uint32
+from .convert import CONVERTERS, float32, int64, uint32, uint64
 from .flash_fwd import (F_LOG2E, FASTMATH, NEG_INF, NO_PART, ZERO, check_parameters,
                         kernel_part, key_range_device, key_tiles, make_masked_score)
 from .flash_mma import (BLOCK_N as KEY_TILE, MMA_DTYPES, MMA_WIDTHS, PAD, WARPS,
@@ -147,45 +147,44 @@ def make_scores_t(KDIM, A_ROW, B_ROW, COLS, mma):
     return scores_t
 
 
-def make_column_stats(NB):
-    @kernel_part
-    def column_stats(lse_c, delta_c, lo_c, hi_c, lse_in, delta, b, h, start_q, n_q, kv_len,
-                     left, right, bottom_right, lane):
-        """For the lane's query columns start_q + 8 nb + 2 t + c (c = 0, 1): lse (log2
-        units), delta and the keys lo <= j < hi the row sees; columns past n_q: 0."""
-        t = lane % 4
-        for nb in range(NB):
-            for c in range(2):
-                col = start_q + 8 * nb + 2 * t + c
-                ok = col < n_q
-                lse_c[nb, c] = lse_in[b, h, col] * F_LOG2E if ok else ZERO
-                delta_c[nb, c] = delta[b, h, col] if ok else ZERO
-                lo_c[nb, c], hi_c[nb, c] = key_range_device(col, n_q, kv_len, left, right,
-                                                            bottom_right)
-
-    return column_stats
+@kernel_part
+def row_stats(lse_in, delta, b, h, row, n_q, ok):
+    """(lse in log2 units, delta) of query row `row` where ok and row < n_q, else zeros: what
+    a thread copies of a query tile's statistics."""
+    if ok and row < n_q:
+        return lse_in[b, h, row] * F_LOG2E, delta[b, h, row]
+    return ZERO, ZERO
 
 
 def make_kv_probabilities(NB, masked_score, HAS_MASK):
     @kernel_part
-    def probabilities(s, dp, lse_c, delta_c, lo_c, hi_c, qk_scale, mask, bias, mask_steps,
-                      bias_steps, b, h, key0, start_q, n_q, interior, lane):
+    def probabilities(s, dp, stats, stage, qk_scale, mask, bias, mask_steps, bias_steps, b,
+                      h, key0, start_q, n_q, kv_len, left, right, bottom_right, interior,
+                      lane):
         """P^T = exp2(S^T qk_scale - lse) in place of S^T, dS^T = P^T (dP^T - delta) in place
-        of dP^T; element e of n-block nb is key key0 + 8 (e // 2), query column
-        start_q + 8 nb + 2 t + e % 2. Where the row does not see the key: P = NO_PART, dS = 0
-        (selected). An interior tile without mask or bias is scaled only."""
+        of dP^T; element 2 half + c of n-block nb is key key0 + 8 half, query column
+        start_q + 8 nb + 2 t + c, whose lse and delta are at stats[stage, :, 8 nb + 2 t + c].
+        Where the row does not see the key: P = NO_PART, dS = 0 (selected). An interior tile
+        without mask or bias is scaled only; elsewhere each column's key range is computed
+        here (masked_score's test)."""
         t = lane % 4
         for nb in range(NB):
-            for e in range(4):
-                c = e % 2
-                x = s[nb, e] * qk_scale
+            for c in range(2):
+                col = start_q + 8 * nb + 2 * t + c
+                at = uint64(8 * nb + 2 * t + c)  # unsigned: no wraparound code
+                lse_col, delta_col = stats[uint64(stage), 0, at], stats[uint64(stage), 1, at]
+                lo, hi = int64(0), int64(0)
                 if HAS_MASK or not interior:
-                    x = masked_score(x, mask, bias, mask_steps, bias_steps, b, h,
-                                     start_q + 8 * nb + 2 * t + c, key0 + 8 * (e // 2),
-                                     lo_c[nb, c], hi_c[nb, c], False, n_q)
-                p = NO_PART if x == NEG_INF else math.exp2(x - lse_c[nb, c])
-                dp[nb, e] = ZERO if x == NEG_INF else p * (dp[nb, e] - delta_c[nb, c])
-                s[nb, e] = p
+                    lo, hi = key_range_device(col, n_q, kv_len, left, right, bottom_right)
+                for half in range(2):
+                    e = 2 * half + c
+                    x = s[nb, e] * qk_scale
+                    if HAS_MASK or not interior:
+                        x = masked_score(x, mask, bias, mask_steps, bias_steps, b, h, col,
+                                         key0 + 8 * half, lo, hi, False, n_q)
+                    p = NO_PART if x == NEG_INF else math.exp2(x - lse_col)
+                    dp[nb, e] = ZERO if x == NEG_INF else p * (dp[nb, e] - delta_col)
+                    s[nb, e] = p
 
     return probabilities
 
@@ -233,7 +232,6 @@ def dkdv_kernel_source(spec):
     load_v_fragments = make_load_q_fragments(DV, V_ROW)
     scores_s = make_scores_t(D, K_ROW, K_ROW, QB, mma)  # S^T = K Q^T
     scores_dp = make_scores(DV, V_ROW, mma, QB)  # dP^T = V dO^T, V's fragments in registers
-    column_stats = make_column_stats(NB)
     probabilities = make_kv_probabilities(
         NB, make_masked_score({"HAS_MASK": spec.has_mask}), spec.has_mask)
     dv_product, dk_product = make_pv(DV, V_ROW, mma, pack, QB), make_pv(D, K_ROW, mma, pack, QB)
@@ -248,10 +246,8 @@ def dkdv_kernel_source(spec):
         dp = cuda.local.array((NB, 4), float32)  # dP^T, then dS^T
         dk_acc = cuda.local.array((DB, 4), float32)
         dv_acc = cuda.local.array((VB, 4), float32)
-        lse_c = cuda.local.array((NB, 2), float32)  # per query column of the lane
-        delta_c = cuda.local.array((NB, 2), float32)
-        lo_c = cuda.local.array((NB, 2), int64)
-        hi_c = cuda.local.array((NB, 2), int64)
+        # lse (log2 units) and delta of a stage's query rows, copied beside Q and dO
+        stats = cuda.shared.array((2, 2, QB), float32)
 
         tid = cuda.threadIdx.x
         w, lane = tid // 32, tid % 32
@@ -282,6 +278,9 @@ def dkdv_kernel_source(spec):
                 copy_q(words, STAGES_AT, q, at_q * d, q_next, n_q, d)
                 copy_do(words, STAGES_AT + Q_TILE, dout, at_q * d_v, q_next, n_q, d_v)
                 warp.cp_async_commit()
+                if tid < QB:
+                    stats[0, 0, tid], stats[0, 1, tid] = row_stats(
+                        lse_in, delta, b, h_next, q_next + tid, n_q, True)
             stage = 0
             for _ in range(group * tiles):  # the group's heads in order, their tiles in order
                 h, start_q = h_next, q_next
@@ -289,18 +288,19 @@ def dkdv_kernel_source(spec):
                 if q_next >= first_q + tiles * QB:
                     h_next, q_next = h_next + 1, first_q
                 warp.cp_async_wait(0)  # this thread's copies of this tile have landed
-                # Barrier: every thread's copies of this tile have landed, and every warp is
-                # done with the other stage, which the next copy overwrites.
+                # Barrier: every thread's copies of this tile (and its statistics) have landed,
+                # and every warp is done with the other stage, which the next copy overwrites.
                 cuda.syncthreads()
+                lse_next, delta_next = ZERO, ZERO
                 if h_next < (hk + 1) * group:  # the next tile, into the other stage
                     at_q = (int64(b) * heads_q + h_next) * n_q
                     at = STAGES_AT + (1 - stage) * STAGE
                     copy_q(words, at, q, at_q * d, q_next, n_q, d)
                     copy_do(words, at + Q_TILE, dout, at_q * d_v, q_next, n_q, d_v)
                     warp.cp_async_commit()
+                    lse_next, delta_next = row_stats(lse_in, delta, b, h_next, q_next + tid,
+                                                     n_q, tid < QB)  # stored after this tile
                 at = STAGES_AT + stage * STAGE
-                column_stats(lse_c, delta_c, lo_c, hi_c, lse_in, delta, b, h, start_q, n_q,
-                             kv_len, left, right, bottom_right, lane)
                 scores_s(words, 0, at, s, lane, w)
                 scores_dp(words, at + Q_TILE, v_frag, dp, lane)
                 last_row = min(start_q + QB, n_q) - 1
@@ -308,10 +308,13 @@ def dkdv_kernel_source(spec):
                     last_row, n_q, kv_len, left, right, bottom_right)[0] <= start_n
                     and key_range_device(start_q, n_q, kv_len, left, right,
                                          bottom_right)[1] >= start_n + BLOCK)
-                probabilities(s, dp, lse_c, delta_c, lo_c, hi_c, qk_scale, mask, bias,
-                              mask_steps, bias_steps, b, h, key0, start_q, n_q, interior, lane)
+                probabilities(s, dp, stats, stage, qk_scale, mask, bias, mask_steps,
+                              bias_steps, b, h, key0, start_q, n_q, kv_len, left, right,
+                              bottom_right, interior, lane)
                 dv_product(words, at + Q_TILE, s, dv_acc, lane)  # dV += P^T dO
                 dk_product(words, at, dp, dk_acc, lane)  # dK += dS^T Q
+                if tid < QB:  # the next tile's statistics, their loads' latency hidden above
+                    stats[1 - stage, 0, tid], stats[1 - stage, 1, tid] = lse_next, delta_next
                 stage = 1 - stage
         store_dk(dk, dk_acc, b, hk, key0, n_k, d, scale, lane)
         store_dv(dv, dv_acc, b, hk, key0, n_k, d_v, float32(1.0), lane)
