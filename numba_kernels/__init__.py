@@ -7,8 +7,9 @@ Read plain_fwd.py (one thread per query row, the textbook kernel) beside referen
 then flash_fwd.py (the same algorithm, tuned), then flash_mma.py (tensor cores through
 warp.py's mma.sync: what flash_attention runs by default for float16 and bfloat16 where it
 applies; kernel_plan says which kernel a call gets). The backward: plain_bwd.py beside
-reference/tiled_backward.py, then flash_bwd.py (tuned: what flash_attention_backward and the
-autograd of flash_attention run; kernel="plain" takes plain_bwd.py).
+reference/tiled_backward.py, then flash_bwd.py (tuned), then flash_mma_bwd.py (tensor cores:
+what flash_attention_backward and the autograd of flash_attention run for float16 and
+bfloat16 inputs where it applies; flash_bwd.py elsewhere; kernel= takes one by name).
 """
 from .api import flash_attention, kernel_plan, mma_attention, plain_attention
 from .backward import flash_attention_backward

@@ -135,20 +135,26 @@ def test_warmed_signatures_are_what_launches_pass():
 def test_the_warm_lists_are_variants_the_gate_checks():
     """What the numba adapters warm is a subset of what the PTX gate compiles, and each list
     holds what its calls need: the delta kernel with either backward, the 16-bit merges with
-    the tensor-core forward."""
+    the tensor-core forward; with the tensor-core backward the tuned one too (which calls
+    holding a NaN or an inf run) and the pre-pass that looks for them."""
     from numba_kernels.flash_bwd import BwdSpec
-    from numba_kernels.flash_mma import MmaSpec
+    from numba_kernels.flash_mma import MmaSpec, ScanSpec
+    from numba_kernels.flash_mma_bwd import MmaBwdSpec
     from numba_kernels.plain_bwd import PlainBwdSpec
     from numba_kernels.specs import gate_specs, variants
 
     gate = set(gate_specs())
     for forward in ("simt", "plain", "mma"):
-        for backward in (None, "plain", "tuned"):
+        for backward in (None, "plain", "tuned", "mma"):
             wanted = variants(forward, backward)
             assert set(wanted) <= gate, (forward, backward)
+            assert len(set(wanted)) == len(wanted), (forward, backward)
             parts = {s.part for s in wanted if isinstance(s, PlainBwdSpec)}
             assert parts == {None: set(), "plain": {"delta", "dkdv", "dq"},
-                             "tuned": {"delta"}}[backward]
-            assert any(isinstance(s, BwdSpec) for s in wanted) == (backward == "tuned")
+                             "tuned": {"delta"}, "mma": {"delta"}}[backward]
+            assert any(isinstance(s, BwdSpec) for s in wanted) == (backward in ("tuned", "mma"))
+            assert {s.part for s in wanted if isinstance(s, MmaBwdSpec)} == (
+                {"dkdv", "dq"} if backward == "mma" else set())
+            assert (ScanSpec("float16") in wanted) == (forward == "mma" or backward == "mma")
             assert any(isinstance(s, MmaSpec) for s in wanted) == (forward == "mma")
     assert "float32" not in variants("mma") and "bfloat16" in variants("mma")

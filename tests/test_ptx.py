@@ -1,7 +1,7 @@
 """Every shipped kernel variant compiles for sm_90 without spills, local memory, float64
 instructions or shared memory over the static limit (numba_kernels/ptx_report.py).
 
-Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling the 445
+Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling the 477
 kernels (numba_kernels.specs.gate_specs) takes about 9 minutes on 2 cores: tests/conftest.py starts the report as soon as this
 test is collected, on every core beside the other tests, and runs this test last, to collect
 its result. The report caches each variant's figures under a key of everything they depend
@@ -148,10 +148,11 @@ class _InProcess:
 def test_the_gate_lists_every_variant_a_call_can_launch():
     """The variant each kernel would launch for head dims d, dv (every d up to 256, dv = d,
     d + 1, 8), each dtype and mask, is among gate_specs(): the plain kernels and the delta
-    kernel pad to pad()'s widths, the tuned backward to bwd_width's, the tensor-core kernel
-    to mma_width's."""
+    kernel pad to pad()'s widths, the tuned backward to bwd_width's, the tensor-core kernels
+    (forward and backward) to mma_width's."""
     from numba_kernels.flash_bwd import BwdSpec, bwd_width
     from numba_kernels.flash_mma import MmaSpec, ScanSpec, mma_plan, mma_width
+    from numba_kernels.flash_mma_bwd import MmaBwdSpec
     from numba_kernels.plain_bwd import PlainBwdSpec
     from numba_kernels.plain_fwd import PlainSpec
     from numba_kernels.specs import DTYPES, MAX_HEAD_DIM, choose_spec, gate_specs, pad
@@ -171,5 +172,7 @@ def test_the_gate_lists_every_variant_a_call_can_launch():
                     if mma_plan(SimpleNamespace(d=d, dv=dv, dtype=dtype)) is None:
                         wanted += [MmaSpec(mma_width(d), mma_width(dv), dtype, m, p)
                                    for p in (False, True)] + [ScanSpec(dtype)]
+                        wanted += [MmaBwdSpec(part, mma_width(d), mma_width(dv), dtype, m)
+                                   for part in ("dkdv", "dq")]
                     missing |= set(wanted) - gate
     assert not missing, sorted(map(str, missing))[:10]
