@@ -12,8 +12,8 @@ from .plain_bwd import (DELTA_ARGS, DELTA_THREADS, DKDV_ARGS, DQ_ARGS, plain_bwd
 from .plain_fwd import plain_tiles
 from .flash_bwd import BwdSpec, bwd_width
 from .flash_mma import SCAN_THREADS, ScanSpec, mma_plan, mma_width, scan_kernel
-from .flash_mma import BLOCK_N as SCAN_ROWS
-from .flash_mma_bwd import BLOCK as MMA_BLOCK, MmaBwdSpec, mma_bwd_kernel
+from .flash_mma_bwd import (BLOCK as MMA_BLOCK, FLAG_ROWS, MMA_DKDV_ARGS, MMA_DQ_ARGS,
+                            MmaBwdSpec, mma_bwd_kernel)
 from .specs import pad, tuned_bwd_kernel
 
 
@@ -33,10 +33,9 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     (flash_mma_bwd.py: tensor cores, float16 and bfloat16, head dims multiples of 8 up to
     128; ValueError where it does not apply), "tuned" (flash_bwd.py, register micro-tiles
     over shared-memory tiles) or "plain" (plain_bwd.py, one thread per key or row: the one
-    to read first). The tensor-core kernels add every pair of a tile in one product, so a
-    call whose q, k, v or dout holds a NaN or an inf runs "tuned" instead, which adds only
-    the pairs that take part: that takes a check of the inputs (one pass over them, and a
-    wait for its answer).
+    to read first). Every kernel keeps a NaN or an inf in a pair that takes no part out of
+    the gradients: the tensor-core kernels flag the tiles of q, k and dout that hold one
+    (one pass over each) and add only the pairs that take part in those.
     """
     if kernel not in KERNELS and kernel != "auto":
         raise ValueError(f"kernel must be one of {sorted(KERNELS) + ['auto']}, got {kernel!r}")
@@ -45,9 +44,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     why_not = mma_plan(pb)
     if why_not and kernel == "mma":
         raise ValueError(f"kernel='mma': {why_not}")
-    q, k, v, dout = (io.dev(x) for x in (q, k, v, dout))  # on the device, once
-    if kernel in ("auto", "mma"):
-        kernel = "mma" if why_not is None and _finite(io, pb, q, k, v, dout) else "tuned"
+    if kernel == "auto":
+        kernel = "mma" if why_not is None else "tuned"
     dq = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.d), pb.dtype)
     dk = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.d), pb.dtype)
     dv = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.dv), pb.dtype)
@@ -56,8 +54,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     width = pad(max(pb.d, pb.dv))
     has_mask = mask is not None or bias is not None
     mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
-    named = dict(q=q, k=k, v=v, mask=mask_dev, bias=bias_dev,
-                 kv_lengths=lengths, dout=dout, lse_in=io.dev(lse),
+    named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, bias=bias_dev,
+                 kv_lengths=lengths, dout=io.dev(dout), lse_in=io.dev(lse),
                  delta=io.empty((pb.batch, pb.heads_q, pb.n_q), "float32"), n_q=pb.n_q,
                  group=pb.group, scale=np.float32(pb.scale), **_band(pb), **steps)
     named["delta"] = io.dev(named["delta"])
@@ -102,35 +100,40 @@ def _tuned(pb, io, named, grads, width, has_mask):
 
 
 def _mma(pb, io, named, grads, width, has_mask):
-    """The tensor-core dK/dV and dQ kernels (flash_mma_bwd.py)."""
-    for part, n, heads, args, out in (("dkdv", pb.n_k, pb.heads_k, DKDV_ARGS, ("dk", "dv")),
-                                      ("dq", pb.n_q, pb.heads_q, DQ_ARGS, ("dq",))):
-        spec = MmaBwdSpec(part, mma_width(pb.d), mma_width(pb.dv), pb.dtype, has_mask)
-        if pb.batch * heads * n:
-            launch(mma_bwd_kernel(spec), spec, (-(-n // MMA_BLOCK), pb.batch * heads),
-                   4 * 32, io.stream, *_ordered(args, dict(named, **{g: grads[g] for g in out})))
+    """The tensor-core dK/dV and dQ kernels (flash_mma_bwd.py), after the pre-pass flags the
+    tiles of q, dout and k that hold a NaN or an inf: each kernel's fast variant, then its
+    nonfinite variant for the blocks the fast one deferred (most often none: its blocks
+    return at once)."""
+    flags = {f"{name}_flags": _flags(io, pb, named[name]) for name in ("q", "dout", "k")}
+    for part, n, heads, args, out in (("dkdv", pb.n_k, pb.heads_k, MMA_DKDV_ARGS, ("dk", "dv")),
+                                      ("dq", pb.n_q, pb.heads_q, MMA_DQ_ARGS, ("dq",))):
+        blocks = -(-n // MMA_BLOCK)
+        if pb.batch * heads * n == 0:
+            continue
+        values = dict(named, **flags, **{g: grads[g] for g in out},
+                      deferred=io.scratch((pb.batch, heads, blocks)))
+        for nonfinite in (False, True):
+            spec = MmaBwdSpec(part, mma_width(pb.d), mma_width(pb.dv), pb.dtype, has_mask,
+                              nonfinite)
+            launch(mma_bwd_kernel(spec), spec, (blocks, pb.batch * heads), 4 * 32, io.stream,
+                   *_ordered(args, values))
 
 
 KERNELS = {"plain": _plain, "tuned": _tuned, "mma": _mma}
 
 
-def _finite(io, pb, *inputs):
-    """Whether no input (16-bit, C-contiguous on the device, an even last dim) holds a NaN or
-    an inf: flash_mma's pre-pass over each, its tile flags reduced on the device and the
-    answer fetched (the one wait for the device this check costs)."""
-    scan, flags = ScanSpec(pb.dtype), []
-    for x in inputs:
-        batch, heads, rows, width = x.shape
-        if batch * heads * rows == 0:
-            continue
-        tiles = -(-rows // SCAN_ROWS)
-        flags.append(io.scratch((batch, heads, tiles)))
+def _flags(io, pb, x):
+    """(B, H, rows / FLAG_ROWS) uint8 on the device: 1 where FLAG_ROWS rows of x (16-bit,
+    C-contiguous on the device, an even last dim) hold a NaN or an inf (flash_mma's
+    pre-pass; no wait for it)."""
+    batch, heads, rows, width = x.shape
+    tiles = -(-rows // FLAG_ROWS)
+    flags = io.scratch((batch, heads, max(tiles, 1)))
+    if batch * heads * rows:
+        scan = ScanSpec(pb.dtype)
         launch(scan_kernel(scan), scan, (tiles, batch * heads), SCAN_THREADS, io.stream,
-               io.words(x), flags[-1], rows, width // 2)
-    if hasattr(io, "torch"):
-        return not any(bool(f.any()) for f in flags) if len(flags) < 2 else \
-            not bool(io.torch.stack([f.any() for f in flags]).any())
-    return not any(f.copy_to_host().any() for f in flags)
+               io.words(x), flags, rows, width // 2)
+    return flags
 
 
 def _minus(io, delta, dlse):

@@ -288,27 +288,29 @@ def make_pv(DV, V_ROW, mma, pack, KEYS=BLOCK_N):
     return pv
 
 
-def make_pv_seen_pairs(DV, V_ROW, unpack):
+def make_pv_seen_pairs(DV, V_ROW, unpack, KEYS=BLOCK_N):
     @kernel_part
-    def pv_seen_pairs(words, at, s, acc, lane):
-        """acc += P V in float32 adding only the pairs that take part (takes_part), for a V
-        tile holding a NaN or an inf: -0.0 * NaN would be NaN. Key by key, each lane fetches
-        the P of its two rows from the lane that holds it (4 g + (key % 8) // 2), element
-        key % 2 (+ 2 for row g + 8) of n-block key // 8. Rare."""
+    def pv_seen_pairs(words, at, part, x, acc, lane):
+        """acc += X V in float32 over KEYS keys, adding only the pairs that take part
+        (takes_part of `part`'s element; the forward passes P as both), for a V tile holding
+        a NaN or an inf: -0.0 * NaN would be NaN. Key by key, each lane fetches the values of
+        its two rows from the lane that holds them (4 g + (key % 8) // 2), element key % 2
+        (+ 2 for row g + 8) of n-block key // 8. Rare."""
         g, t = lane // 4, lane % 4
-        for key in range(BLOCK_N):  # a loop, not unrolled: S's element is picked by selects
-            for half in range(2):   # (an index computed at run time would put S in memory)
-                mine = ZERO
-                for nb in range(BLOCK_N // 8):
+        for key in range(KEYS):  # a loop, not unrolled: an element is picked by selects
+            for half in range(2):  # (an index computed at run time would put it in memory)
+                mine_part, mine_x = ZERO, ZERO
+                for nb in range(KEYS // 8):
                     for e in range(2):
                         if nb == key // 8 and e == key % 2:
-                            mine = s[nb, 2 * half + e]
-                p = warp.shfl_idx(mine, 4 * g + key % 8 // 2)
+                            mine_part, mine_x = part[nb, 2 * half + e], x[nb, 2 * half + e]
+                src = 4 * g + key % 8 // 2
+                p, v_x = warp.shfl_idx(mine_part, src), warp.shfl_idx(mine_x, src)
                 if takes_part(p):
                     for vb in range(DV // 8):
                         v0, v1 = unpack(words[at + key * V_ROW + vb * 4 + t])
-                        acc[vb, 2 * half] += p * v0
-                        acc[vb, 2 * half + 1] += p * v1
+                        acc[vb, 2 * half] += v_x * v0
+                        acc[vb, 2 * half + 1] += v_x * v1
 
     return pv_seen_pairs
 
@@ -469,7 +471,7 @@ def kernel_source(spec):
             nonfinite_v = v_flags[b, hk, start_n // BLOCK_N] != 0  # the pre-pass's flag
             online_softmax(s, m_i, l_i, acc, nonfinite_v)
             if nonfinite_v:  # a NaN or an inf in this V tile (the same path for the block)
-                pv_seen_pairs(words, at + K_TILE, s, acc, lane)
+                pv_seen_pairs(words, at + K_TILE, s, s, acc, lane)
             else:
                 pv(words, at + K_TILE, s, acc, lane)
             stage = 1 - stage

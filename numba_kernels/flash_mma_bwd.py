@@ -34,10 +34,15 @@ Shared memory (32-bit words; rows of 16-bit values padded by 8 values, as in fla
 QB = 32 query rows a step at head dims up to 64, 16 above: what fits 48 KB of static shared
 memory beside K.
 
-Inputs must be finite: a product of mma.sync adds every pair, so a NaN in Q, K, V or dO of a
-pair that takes no part (0 * NaN) would reach the gradients, where the SIMT kernels add only
-the pairs that take part. flash_attention_backward checks (the forward's pre-pass,
-flash_mma.nonfinite_tiles, over each input) and runs the tuned SIMT kernels otherwise.
+Inputs holding a NaN or an inf: a product of mma.sync adds every pair of its tile, so a NaN in
+Q or dO (dkdv) or K (dq) of a pair that takes no part (P = -0.0, dS = 0: 0 * NaN) would reach
+the gradients. flash_attention_backward flags such tiles once per call (flash_mma's pre-pass,
+nonfinite_tiles, over q, dout and k, 32 rows a flag) and launches each kernel twice, in two
+variants: the fast one (what is drawn above) first reads the flags of every tile a block
+would use and, where one is set, leaves the block to the second (`deferred`); the second
+(MmaBwdSpec.nonfinite) runs only the deferred blocks, whose flagged tiles take flash_mma's
+pv_seen_pairs (float32, only the pairs that take part). No wait for the host; the fast
+variant carries none of the slow code.
 """
 import math
 from dataclasses import dataclass
@@ -52,8 +57,25 @@ from .flash_fwd import (F_LOG2E, FASTMATH, NEG_INF, NO_PART, ZERO, check_paramet
                         kernel_part, key_range_device, key_tiles, make_masked_score)
 from .flash_mma import (BLOCK_N as KEY_TILE, MMA_DTYPES, MMA_WIDTHS, PAD, WARPS,
                         make_copy_kv, make_copy_tile, make_load_q_fragments, make_pv,
-                        make_scale_and_mask, make_scores)
+                        make_pv_seen_pairs, make_scale_and_mask, make_scores)
 from .plain_bwd import DKDV_ARGS, DQ_ARGS
+
+
+def _with_flags(args, before, *names):
+    """args with a flags argument for each of names (the pre-pass's, flash_mma.V_FLAGS's
+    kind) inserted before the argument `before`."""
+    flags = tuple((f"{n}_flags", "flags", f"(B, H, rows / 32) uint8: 1 where 32 rows of {n} "
+                   "hold a NaN or an inf") for n in names)
+    return tuple(x for a in args for x in (flags + (a,) if a[0] == before else (a,)))
+
+
+DEFERRED = ("deferred", "flags", "(B, H, blocks) uint8: 1 where a block's tiles hold a NaN or "
+            "an inf: written by the fast variant, read by the nonfinite one")
+MMA_DKDV_ARGS = _with_flags(DKDV_ARGS, "dk", "q", "dout")
+MMA_DKDV_ARGS = tuple(x for a in MMA_DKDV_ARGS for x in ((DEFERRED, a) if a[0] == "dk" else (a,)))
+MMA_DQ_ARGS = _with_flags(DQ_ARGS, "dq", "k")
+MMA_DQ_ARGS = tuple(x for a in MMA_DQ_ARGS for x in ((DEFERRED, a) if a[0] == "dq" else (a,)))
+FLAG_ROWS = KEY_TILE  # rows of q, k or dout a pre-pass flag covers
 
 BLOCK = 16 * WARPS  # keys of a dkdv block, query rows of a dq block
 THREADS = 32 * WARPS
@@ -68,6 +90,7 @@ class MmaBwdSpec:
     dv: int
     dtype: str
     has_mask: bool
+    nonfinite: bool = False  # the variant for blocks whose tiles hold a NaN or an inf
 
     def check(self):
         if self.part not in ("dkdv", "dq") or self.d not in MMA_WIDTHS \
@@ -95,9 +118,9 @@ class MmaBwdSpec:
 
 def mma_bwd_specs():
     """Every variant a call can launch: the PTX gate compiles each."""
-    return [MmaBwdSpec(part, d, dv, dtype, m).check() for part in ("dkdv", "dq")
+    return [MmaBwdSpec(part, d, dv, dtype, m, n).check() for part in ("dkdv", "dq")
             for d in MMA_WIDTHS for dv in MMA_WIDTHS for dtype in MMA_DTYPES
-            for m in (False, True)]
+            for m in (False, True) for n in (False, True)]
 
 
 @kernel_part
@@ -189,6 +212,26 @@ def make_kv_probabilities(NB, masked_score, HAS_MASK):
     return probabilities
 
 
+@kernel_part
+def deferred_block(deferred, b, h, flags_a, flags_b, h_first, heads, first_row, last_row, tid):
+    """Whether this block leaves its work to the nonfinite variant: the flags of rows
+    first_row .. last_row (inclusive; none when last_row < first_row) of heads h_first ..
+    + heads in flags_a or flags_b are read by the block's threads side by side; thread 0
+    records the answer in deferred[b, h, blockIdx.x] for the nonfinite variant. A barrier
+    (every thread of the block calls it)."""
+    bad = 0
+    if last_row >= first_row:  # no run-time division (a 64-bit one is a subroutine)
+        first, last = first_row // FLAG_ROWS, last_row // FLAG_ROWS
+        for hh in range(h_first, h_first + heads):
+            for f in range(first + tid, last + 1, THREADS):
+                if flags_a[b, hh, f] != 0 or flags_b[b, hh, f] != 0:
+                    bad = 1
+    bad = cuda.syncthreads_or(bad)
+    if tid == 0:
+        deferred[b, h, cuda.blockIdx.x] = 1 if bad else 0
+    return bad != 0
+
+
 def make_store_rows(COLS, store):
     @kernel_part
     def store_rows(x, acc, b, h, row0, n, width, factor, lane):
@@ -215,8 +258,9 @@ def zero(acc):
 
 
 def _products(spec):
-    return (warp.mma_f16, warp.pack_f16) if spec.dtype == "float16" else \
-        (warp.mma_bf16, warp.pack_bf16)
+    """(mma, pack, unpack) of the variant's 16-bit dtype (warp.py)."""
+    return (warp.mma_f16, warp.pack_f16, warp.unpack_f16) if spec.dtype == "float16" else \
+        (warp.mma_bf16, warp.pack_bf16, warp.unpack_bf16)
 
 
 def dkdv_kernel_source(spec):
@@ -226,7 +270,8 @@ def dkdv_kernel_source(spec):
     K_ROW, V_ROW, STAGES_AT, STAGE, WORDS = spec.words
     Q_TILE = QB * K_ROW  # words of a stage's Q tile: its dO tile follows
     DB, VB, VSTEPS = D // 8, DV // 8, DV // 16  # fragments of dK, of dV, steps of V's
-    mma, pack = _products(spec)
+    NONFINITE = spec.nonfinite
+    mma, pack, unpack = _products(spec)
     copy_k, copy_v = make_copy_tile(BLOCK, D, K_ROW), make_copy_tile(BLOCK, DV, V_ROW)
     copy_q, copy_do = make_copy_tile(QB, D, K_ROW), make_copy_tile(QB, DV, V_ROW)
     load_v_fragments = make_load_q_fragments(DV, V_ROW)
@@ -235,11 +280,14 @@ def dkdv_kernel_source(spec):
     probabilities = make_kv_probabilities(
         NB, make_masked_score({"HAS_MASK": spec.has_mask}), spec.has_mask)
     dv_product, dk_product = make_pv(DV, V_ROW, mma, pack, QB), make_pv(D, K_ROW, mma, pack, QB)
+    dv_seen_pairs = make_pv_seen_pairs(DV, V_ROW, unpack, QB)
+    dk_seen_pairs = make_pv_seen_pairs(D, K_ROW, unpack, QB)
     store = CONVERTERS[spec.dtype][1]
     store_dk, store_dv = make_store_rows(D, store), make_store_rows(DV, store)
 
-    def mma_dkdv(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, dk, dv, n_q, group,
-                 qk_scale, scale, left, right, bottom_right, mask_steps, bias_steps):
+    def mma_dkdv(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, q_flags, dout_flags,
+                 deferred, dk, dv, n_q, group, qk_scale, scale, left, right, bottom_right,
+                 mask_steps, bias_steps):
         words = cuda.shared.array(WORDS, uint32)
         v_frag = cuda.local.array((VSTEPS, 4), uint32)  # this warp's keys of V, A fragments
         s = cuda.local.array((NB, 4), float32)  # S^T, then P^T
@@ -259,11 +307,18 @@ def dkdv_kernel_source(spec):
         kv_len = int64(kv_lengths[b])
         zero(dk_acc)
         zero(dv_acc)
+        last_key = min(start_n + BLOCK, kv_len)
+        begin, end = rows_seeing(start_n, last_key, n_q, kv_len, left, right, bottom_right)
+        first_q = begin // QB * QB
+        tiles = (end - first_q + QB - 1) // QB if end > begin and start_n < kv_len \
+            else int64(0)
+        if NONFINITE:
+            if deferred[b, hk, cuda.blockIdx.x] == 0:
+                return  # the fast variant did this block
+        elif deferred_block(deferred, b, hk, q_flags, dout_flags, int64(hk) * group, group,
+                            first_q, first_q + tiles * QB - 1, tid):
+            return  # a tile holds a NaN or an inf: the nonfinite variant does this block
         if start_n < kv_len:  # else every key of the tile is hidden: dK = dV = 0
-            last_key = min(start_n + BLOCK, kv_len)
-            begin, end = rows_seeing(start_n, last_key, n_q, kv_len, left, right, bottom_right)
-            first_q = begin // QB * QB
-            tiles = (end - first_q + QB - 1) // QB if end > begin else int64(0)
             kv_at = (int64(b) * heads_k + hk) * n_k
             copy_k(words, 0, k, kv_at * d, start_n, kv_len, d)
             copy_v(words, STAGES_AT, v, kv_at * d_v, start_n, kv_len, d_v)
@@ -311,15 +366,20 @@ def dkdv_kernel_source(spec):
                 probabilities(s, dp, stats, stage, qk_scale, mask, bias, mask_steps,
                               bias_steps, b, h, key0, start_q, n_q, kv_len, left, right,
                               bottom_right, interior, lane)
-                dv_product(words, at + Q_TILE, s, dv_acc, lane)  # dV += P^T dO
-                dk_product(words, at, dp, dk_acc, lane)  # dK += dS^T Q
+                flag = start_q // FLAG_ROWS  # the same for the block: one path
+                if not NONFINITE or (q_flags[b, h, flag] == 0 and dout_flags[b, h, flag] == 0):
+                    dv_product(words, at + Q_TILE, s, dv_acc, lane)  # dV += P^T dO
+                    dk_product(words, at, dp, dk_acc, lane)  # dK += dS^T Q
+                else:  # a NaN or an inf in this tile's Q or dO: only the pairs taking part
+                    dv_seen_pairs(words, at + Q_TILE, s, s, dv_acc, lane)
+                    dk_seen_pairs(words, at, s, dp, dk_acc, lane)
                 if tid < QB:  # the next tile's statistics, their loads' latency hidden above
                     stats[1 - stage, 0, tid], stats[1 - stage, 1, tid] = lse_next, delta_next
                 stage = 1 - stage
         store_dk(dk, dk_acc, b, hk, key0, n_k, d, scale, lane)
         store_dv(dv, dv_acc, b, hk, key0, n_k, d_v, float32(1.0), lane)
 
-    return check_parameters(mma_dkdv, tuple(a[0] for a in DKDV_ARGS))
+    return check_parameters(mma_dkdv, tuple(a[0] for a in MMA_DKDV_ARGS))
 
 
 def dq_kernel_source(spec):
@@ -329,7 +389,8 @@ def dq_kernel_source(spec):
     K_ROW, V_ROW, _, STAGE, WORDS = spec.words
     K_TILE = KEY_TILE * K_ROW  # words of a stage's K tile: its V tile follows
     QSTEPS, VSTEPS, DB = D // 16, DV // 16, D // 8  # fragments of Q, of dO, of dQ
-    mma, pack = _products(spec)
+    NONFINITE = spec.nonfinite
+    mma, pack, unpack = _products(spec)
     copy_q, copy_do = make_copy_tile(BLOCK, D, K_ROW), make_copy_tile(BLOCK, DV, V_ROW)
     copy_kv = make_copy_kv(make_copy_tile(KEY_TILE, D, K_ROW),
                            make_copy_tile(KEY_TILE, DV, V_ROW), K_TILE)
@@ -339,10 +400,11 @@ def dq_kernel_source(spec):
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
                                          spec.has_mask)
     dq_product = make_pv(D, K_ROW, mma, pack)  # dQ += dS K: K in the forward's V place
+    dq_seen_pairs = make_pv_seen_pairs(D, K_ROW, unpack)
     store_dq = make_store_rows(D, CONVERTERS[spec.dtype][1])
 
-    def mma_dq(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, dq, n_q, group, qk_scale,
-               scale, left, right, bottom_right, mask_steps, bias_steps):
+    def mma_dq(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, k_flags, deferred, dq, n_q,
+               group, qk_scale, scale, left, right, bottom_right, mask_steps, bias_steps):
         words = cuda.shared.array(WORDS, uint32)
         q_frag = cuda.local.array((QSTEPS, 4), uint32)  # this warp's rows, A fragments
         do_frag = cuda.local.array((VSTEPS, 4), uint32)
@@ -374,6 +436,11 @@ def dq_kernel_source(spec):
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK, n_q) - 1, n_q, kv_len, left, right, bottom_right, 0,
             n_k, KEY_TILE)
+        if NONFINITE:
+            if deferred[b, h, cuda.blockIdx.x] == 0:
+                return  # the fast variant did this block
+        elif deferred_block(deferred, b, h, k_flags, k_flags, hk, 1, first, last - 1, tid):
+            return  # a K tile holds a NaN or an inf: the nonfinite variant does this block
         at_q = (int64(b) * heads_q + h) * n_q
         copy_q(words, 0, q, at_q * d, start_m, n_q, d)
         copy_do(words, BLOCK * K_ROW, dout, at_q * d_v, start_m, n_q, d_v)
@@ -403,16 +470,20 @@ def dq_kernel_source(spec):
             interior = start_n >= lo_last and start_n + KEY_TILE <= hi_first
             scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0,
                            start_n, lo, hi, interior, whole_rows, n_q, lane)
-            for nb in range(NB):  # P and dS, 0 where the row does not see the key
-                for e in range(4):
+            for nb in range(NB):  # P in place of S, dS of dP; NO_PART and 0 where the row
+                for e in range(4):  # does not see the key
                     x = s[nb, e]
                     p = NO_PART if x == NEG_INF else math.exp2(x - lse_r[e // 2])
                     dp[nb, e] = ZERO if x == NEG_INF else p * (dp[nb, e] - delta_r[e // 2])
-            dq_product(words, at, dp, dq_acc, lane)  # dQ += dS K
+                    s[nb, e] = p
+            if not NONFINITE or k_flags[b, hk, start_n // FLAG_ROWS] == 0:
+                dq_product(words, at, dp, dq_acc, lane)  # dQ += dS K
+            else:  # a NaN or an inf in this K tile: only the pairs taking part
+                dq_seen_pairs(words, at, s, dp, dq_acc, lane)
             stage = 1 - stage
         store_dq(dq, dq_acc, b, h, row0, n_q, d, scale, lane)
 
-    return check_parameters(mma_dq, tuple(a[0] for a in DQ_ARGS))
+    return check_parameters(mma_dq, tuple(a[0] for a in MMA_DQ_ARGS))
 
 
 def mma_bwd_source(spec):
@@ -423,4 +494,4 @@ def mma_bwd_source(spec):
 def mma_bwd_kernel(spec):
     """The compiled kernel of a variant (through the on-disk compile cache)."""
     return jit(mma_bwd_source(spec), ("mma-bwd", spec.part, spec.d, spec.dv, spec.dtype,
-                                      spec.has_mask), FASTMATH)
+                                      spec.has_mask, spec.nonfinite), FASTMATH)

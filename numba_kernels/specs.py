@@ -16,7 +16,8 @@ from .flash_fwd import ARGS, FASTMATH, KernelSpec, kernel_source
 from .flash_mma import (MMA_ARGS, MMA_DTYPES, MmaSpec, ScanSpec, mma_kernel, mma_specs,
                         scan_kernel, scan_source)
 from .flash_mma import kernel_source as mma_kernel_source
-from .flash_mma_bwd import MmaBwdSpec, mma_bwd_kernel, mma_bwd_source, mma_bwd_specs
+from .flash_mma_bwd import (MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec, mma_bwd_kernel,
+                            mma_bwd_source, mma_bwd_specs)
 from .plain_bwd import (DELTA_ARGS, DKDV_ARGS, DQ_ARGS, PlainBwdSpec, plain_bwd_kernel,
                         plain_bwd_specs)
 from .plain_bwd import bwd_kernel_source as plain_bwd_source
@@ -145,9 +146,14 @@ def scan_signature(spec):
     return (int32[::1], uint8[:, :, ::1], int64, int64)
 
 
+def mma_bwd_signature(spec):
+    """Argument types of a tensor-core backward kernel (flash_mma_bwd.py)."""
+    elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
+    return arg_types(MMA_DKDV_ARGS if spec.part == "dkdv" else MMA_DQ_ARGS, elem, elem)
+
+
 def tuned_bwd_signature(spec):
-    """Argument types of a tuned or tensor-core backward kernel (flash_bwd.py,
-    flash_mma_bwd.py: the same arguments), C-contiguous arrays."""
+    """Argument types of a tuned backward kernel (flash_bwd.py), C-contiguous arrays."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
     return arg_types(DKDV_ARGS if spec.part == "dkdv" else DQ_ARGS, elem, elem)
 
@@ -198,7 +204,7 @@ def _variant(spec):
                 tuned_bwd_signature(spec))
     if isinstance(spec, MmaBwdSpec):
         return (lambda: mma_bwd_source(spec), lambda: mma_bwd_kernel(spec),
-                tuned_bwd_signature(spec))
+                mma_bwd_signature(spec))
     if isinstance(spec, MmaSpec):
         return (lambda: mma_kernel_source(spec), lambda: mma_kernel(spec),
                 mma_signature(spec))
@@ -217,8 +223,8 @@ def variants(forward, backward=None):
     """The variants calls of one of our implementations can launch, for warming the cache
     before a run: forward "simt" (flash_attention(kernel="simt")), "plain" or "mma", with the
     split-KV merges; backward None, "plain", "tuned" or "mma" (with the delta kernel; "mma"
-    with the tuned kernels, which calls with a NaN or an inf run, and the pre-pass that
-    looks for them)."""
+    with the tuned kernels, which 16-bit calls the tensor cores do not take run, and the
+    pre-pass that flags tiles holding a NaN or an inf)."""
     fwd = {"simt": shipped_specs(), "plain": plain_specs(HEAD_DIMS), "mma": mma_specs()}
     merges = [d for d in DTYPES if forward != "mma" or d in MMA_DTYPES]
     bwd = [] if backward is None else [s for s in plain_bwd_specs(HEAD_DIMS)

@@ -22,6 +22,10 @@ BUGS = {  # bug: (a case that must fail, a phrase its failure must contain)
     "ds-not-masked": ("NaN past kv_lengths (backward)", "non-finite"),
     "dq-order-varies": ("backward: determinism", "differ: dq"),
     "dv-unnormalised": ("shape 65x33 [float32] (backward)", "dv: mismatched"),
+    # dV and dK as plain products: a pair that takes no part adds 0 * NaN (a tensor-core
+    # kernel's products without the slow path for tiles holding a NaN)
+    "products-add-every-pair": ("backward: q:nan in a row some keys see (causal=top_left)",
+                                "non-finite"),
     # torch-cudnn on the H200 (docs/findings.md, bug 8): a plan cached by shape reads a later
     # dout by the strides of the first call
     "dout-layout-cached": ("backward: dout strided after contiguous", "mismatched"),
@@ -84,8 +88,11 @@ def _grads(bug, pb, qf, kf, vf, dof, keep, bias):
         ds = np.where(keep, ds, 0)
     keep_t = np.swapaxes(keep, -1, -2)
     p_for_dv = e if bug == "dv-unnormalised" else p  # exp(S - m) without the 1 / l
-    dv = weighted_values(np.swapaxes(p_for_dv, -1, -2), keep_t, dof, np)
-    dk = weighted_values(np.swapaxes(ds, -1, -2), keep_t, qf, np)
+    if bug == "products-add-every-pair":
+        dv, dk = np.swapaxes(p_for_dv, -1, -2) @ dof, np.swapaxes(ds, -1, -2) @ qf
+    else:
+        dv = weighted_values(np.swapaxes(p_for_dv, -1, -2), keep_t, dof, np)
+        dk = weighted_values(np.swapaxes(ds, -1, -2), keep_t, qf, np)
     dk = dk * scale if bug != "dk-not-scaled" else dk
     return _dq(bug, ds, keep, kf, scale), dk, dv
 

@@ -1,11 +1,13 @@
 """The tensor-core backward (numba_kernels/flash_mma_bwd.py) in the simulator, whose warp.py
 emulates mma.sync, ldmatrix and cp.async lane by lane: verify's backward judgement of a few
 small cases that together take every feature (the simulator runs 32 threads an instruction),
-which kernel a call runs, and why inputs holding a NaN or an inf must not reach it. The PTX
+which kernel a call runs, and the tiles holding a NaN or an inf, which take the slow
+products. The PTX
 gate (tests/test_ptx.py) compiles every variant for sm_90; scripts/dev/gpu_mma_bwd_round.sh
 runs verify's whole backward suite on a GPU."""
 import numpy as np
 import pytest
+from numba import cuda
 
 import verify
 from numba_kernels import backward, flash_attention, flash_attention_backward
@@ -24,9 +26,11 @@ CASES = [
     Case("whole tiles", B=1, Hq=1, Hk=1, Nq=64, Nk=64, D=16, Dv=16, dtype="float16",
          backward=True),
 ]
-# a NaN in a key that some rows see (later rows) and others must not (causal)
-NAN_CASE = Case("k:nan in a key some rows see", B=1, Hq=1, Hk=1, Nq=20, Nk=20, D=16, Dv=16,
-                dtype="float16", causal="top_left", poison="k:nan", backward=True)
+# a NaN in a key that some rows see (later rows) and others must not (causal): dq's flagged
+# K tile; NaN in a row of Q and one of dO that some keys do not see: dkdv's flagged Q and dO
+NAN_CASES = [Case(f"{poison} in keys or rows some see", B=1, Hq=1, Hk=1, Nq=20, Nk=20, D=16,
+                  Dv=16, dtype="float16", causal="top_left", poison=poison, backward=True)
+             for poison in ("k:nan", "q:nan,dout:nan")]
 
 
 def _judge(cases):
@@ -59,15 +63,11 @@ def _kernel_run(monkeypatch, *args, **options):
     return ran
 
 
-@pytest.mark.parametrize("poisoned", [None, 0, 1, 2, 5])
-def test_auto_runs_the_tensor_core_kernels_only_on_finite_inputs(monkeypatch, poisoned):
+def test_auto_runs_the_tensor_core_kernels_for_16_bit_inputs(monkeypatch):
     q, k, v, out, lse, dout = _inputs()
-    inputs = [q, k, v, out, lse, dout]
-    if poisoned is not None:  # q, k, v or dout
-        inputs[poisoned][0, 0, 3, 5] = np.inf if poisoned == 2 else np.nan
-    want = ["mma"] if poisoned is None else ["tuned"]
-    assert _kernel_run(monkeypatch, *inputs) == want
-    assert _kernel_run(monkeypatch, *inputs, kernel="mma") == want
+    assert _kernel_run(monkeypatch, q, k, v, out, lse, dout) == ["mma"]
+    k[0, 0, 3, 5] = np.nan  # flagged tiles are the kernels' own business
+    assert _kernel_run(monkeypatch, q, k, v, out, lse, dout, kernel="mma") == ["mma"]
 
 
 def test_auto_runs_the_tuned_kernels_where_the_tensor_cores_do_not_apply(monkeypatch):
@@ -81,10 +81,15 @@ def test_auto_runs_the_tuned_kernels_where_the_tensor_cores_do_not_apply(monkeyp
 
 @pytest.mark.long
 @pytest.mark.skipif(not SIMULATOR, reason="a simulator test")
-def test_a_hidden_nan_reaches_the_gradients_without_the_check(monkeypatch):
-    """The reason for the check: mma.sync adds 0 * NaN for a pair that takes no part, so
-    without the check verify fails the call (with it, the tuned kernels run, which verify's
-    backward suite passes: tests/test_kernel_backward.py)."""
-    monkeypatch.setattr(backward, "_finite", lambda *a: True)
-    report = _judge([NAN_CASE])
+@pytest.mark.parametrize("case", NAN_CASES, ids=[c.poison for c in NAN_CASES])
+def test_a_hidden_nan_takes_the_slow_products_and_reaches_nothing(monkeypatch, case):
+    """A NaN in a key some rows do not see (dq), or in a row of Q and of dO some keys do not
+    see (dkdv): its tile is flagged and the products add only the pairs that take part.
+    Without the flags mma.sync adds 0 * NaN for the pairs that take no part, and verify
+    fails the call."""
+    report = _judge([case])
+    assert report.passed and report.cases[0].verdict == "pass", str(report)
+    monkeypatch.setattr(backward, "_flags", lambda io, pb, x: cuda.to_device(
+        np.zeros((x.shape[0], x.shape[1], -(-x.shape[2] // 32)), np.uint8)))
+    report = _judge([case])
     assert not report.passed and report.cases[0].verdict == "fail", str(report)

@@ -172,7 +172,7 @@ def test_the_gate_lists_every_variant_a_call_can_launch():
                     if mma_plan(SimpleNamespace(d=d, dv=dv, dtype=dtype)) is None:
                         wanted += [MmaSpec(mma_width(d), mma_width(dv), dtype, m, p)
                                    for p in (False, True)] + [ScanSpec(dtype)]
-                        wanted += [MmaBwdSpec(part, mma_width(d), mma_width(dv), dtype, m)
-                                   for part in ("dkdv", "dq")]
+                        wanted += [MmaBwdSpec(part, mma_width(d), mma_width(dv), dtype, m, n)
+                                   for part in ("dkdv", "dq") for n in (False, True)]
                     missing |= set(wanted) - gate
     assert not missing, sorted(map(str, missing))[:10]

@@ -198,6 +198,26 @@ def test_poisoned_cases_always_bite(suite):
             make_inputs(case, seed)
 
 
+def test_poisoned_rows_always_bite():
+    """Every backward case poisoning a row of Q or dO has, for every seed tried, a row that
+    sees some keys and not others (poison_rows raises VacuousCase otherwise), and the value
+    lands there."""
+    from verify.backward import backward_battery
+    from verify.cases import poison_rows, visibility
+
+    poisoned = [c for c in backward_battery("standard") if c.poison and (
+        "q:" in c.poison or "dout:" in c.poison)]
+    assert {p.split(":")[0] for c in poisoned for p in c.poison.split(",")} >= {"q", "dout"}
+    for case in poisoned:
+        for seed in range(20):
+            q, k, v, options = make_inputs(case, seed)
+            dout = np.zeros((case.B, case.Hq, case.Nq, case.Dv), np.float32)
+            poison_rows(case, dout, visibility(case, options), np.inf)
+            assert np.isinf(dout).any(axis=(1, 2, 3)).all()
+            if "q:" in case.poison:
+                assert np.isnan(np.asarray(q, np.float64)).any(axis=(1, 2, 3)).all()
+
+
 def test_a_vacuous_poisoned_case_is_a_verify_bug():
     case = Case("poison without masking", 1, 1, 1, 4, 5, 8, 8, "float32", poison="k:nan")
     with pytest.raises(VacuousCase, match="cannot show a leak"):

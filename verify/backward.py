@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from reference.dtypes import cast
-from .cases import Case, battery
+from .cases import POISONS, Case, battery, poison_rows, visibility
 from .criterion import judge_backward
 from .report import CaseResult
 
@@ -56,6 +56,10 @@ def backward_battery(suite="quick", dtypes=None, max_head_dim=256):
     add("dout strided after contiguous", dout="relayout", Nq=34, Nk=41)  # shapes of its own
     add("GQA 4:1 with a mask", Hq=8, Hk=2, mask="random")
     add("GQA 4:1, Dv != D, causal", Hq=8, Hk=2, Dv=24, causal="top_left")
+    # a NaN or an inf in a row of Q or dO: the keys the row does not see get nothing from it
+    # (a kernel that adds 0 * NaN for them leaks it into their dk, dv)
+    add("q:nan in a row some keys see (causal=top_left)", poison="q:nan", causal="top_left")
+    add("dout:inf in a row some keys see (mask=random)", poison="dout:inf", mask="random")
     add("determinism", repeat=True, Nq=65, Nk=70, mask="random")
     add("determinism, GQA", repeat=True, Hq=8, Hk=2, Nq=65, Nk=70)
     return cases
@@ -75,6 +79,9 @@ def run_backward_case(impl, case, seed, inputs):
 
     q, k, v, options = inputs
     dout, notes = make_dout(case, seed), []
+    for part in (case.poison or "").split(","):
+        if part.startswith("dout:"):
+            poison_rows(case, dout, visibility(case, options), POISONS[part[5:]])
     empty = empty_rows(q, k, v, options)
     if empty.any() and impl.supports.fully_masked != "zeros":
         dout = np.where(empty[..., None], 0, dout).astype(dout.dtype)

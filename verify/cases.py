@@ -128,7 +128,7 @@ def make_inputs(case, seed):
     elif case.values == "nan-visible":
         k[0, 0, case.Nk // 2, 0] = np.nan  # seen by the rows that see key Nk // 2
     if case.poison:
-        _poison_some_rows(case, k, v, options)
+        _poison_some_rows(case, q, k, v, options)
     return q, k, v, options
 
 
@@ -247,16 +247,42 @@ def _poison_hidden(case, k, v, options, value):
             k[b, :, hidden[b]], v[b, :, hidden[b]] = value, value
 
 
-def _poison_some_rows(case, k, v, options):
+POISONS = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
+
+
+def _poison_some_rows(case, q, k, v, options):
     """case.poison = "k:nan", "v:-inf", ... or several, "k:-inf,v:nan": in each batch, every
     key that no row sees, and one key that some rows see and others (which see other keys) do
-    not, get the value: in K one element, in V one column. Raises VacuousCase when no key
-    anywhere is of the second kind: then a kernel that leaks would pass unnoticed."""
+    not, get the value: in K one element, in V one column. "q:nan" (or inf): one row of Q
+    that sees some keys and not others (poison_rows); "dout:...": the same for a backward
+    case's dout (verify.backward poisons it). Raises VacuousCase when no key or row anywhere
+    is of that kind: then a kernel that leaks would pass unnoticed."""
     keep = visibility(case, options)
     for part in case.poison.split(","):
         tensor, _, name = part.partition(":")
-        value = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}[name]
-        _poison_keys(case, k, v, keep, tensor, value)
+        if tensor in ("k", "v"):
+            _poison_keys(case, k, v, keep, tensor, POISONS[name])
+        elif tensor == "q":
+            poison_rows(case, q, keep, POISONS[name])
+
+
+def poison_rows(case, x, keep, value):
+    """One row of x (Q, or a backward case's dout) in each batch gets `value`, in column
+    row % width of every head: a row that, in every head, sees some keys and not others, so
+    that a kernel which adds the row's pairs with keys it does not see (0 * NaN) leaks the
+    value into their dk and dv. keep: visibility(case, options). VacuousCase when no row is
+    of that kind."""
+    bites = 0
+    for b in range(case.B):
+        partial = (keep[b].any(axis=-1) & ~keep[b].all(axis=-1)).all(axis=0)  # (Nq,)
+        rows = np.flatnonzero(partial)
+        if rows.size:
+            r = int(rows[rows.size // 2])
+            x[b, :, r, r % x.shape[-1]] = value
+            bites += 1
+    if not bites:
+        raise VacuousCase(f"case {case.name!r}: no row sees some keys and not others, so "
+                          f"poisoning cannot show a leak")
 
 
 def _poison_keys(case, k, v, keep, tensor, value):

@@ -3,22 +3,28 @@
 # standard backward suite for numba-mma, then the backward benchmark beside PyTorch's backends
 # (BWD_DTYPES, default the 16-bit ones), one after the other (nothing else on the GPU while
 # it times). PART=conformance instead: the conformance gradient properties of numba-mma, its
-# warm-up timed, and an ncu profile of the two kernels; PART=ab: the A/B of the backward
-# against the copy in _ab_mma_old (scripts/dev/ab_mma.py --backward), then verify's backward
-# suite. Everything lands in $OUT.
+# warm-up timed, and an ncu profile of the two kernels; PART=ab: the A/B of the forward and
+# of the backward against the copy in _ab_mma_old (scripts/dev/ab_mma.py), then verify's
+# forward and backward suites for numba-mma side by side. Everything lands in $OUT.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if [[ "${PART:-verify}" == ab ]]; then
+  for mode in "" --backward; do
+    start=$(date +%s)
+    timeout 150 python3 -W ignore scripts/dev/ab_mma.py $mode > "$OUT/ab_mma$mode.log" 2>&1
+    echo "ab_mma $mode rc=$? in $(( $(date +%s) - start )) s"; grep -v Warn "$OUT/ab_mma$mode.log"
+  done
   start=$(date +%s)
-  timeout 300 python3 -W ignore scripts/dev/ab_mma.py --backward > "$OUT/ab_mma_bwd.log" 2>&1
-  echo "ab_mma --backward rc=$? in $(( $(date +%s) - start )) s"; grep -v Warn "$OUT/ab_mma_bwd.log"
-  start=$(date +%s)
-  timeout 240 python3 -W ignore -m verify numba-mma --suite standard --backward --timeout 60 \
-    --json "$OUT/backward-numba-mma.json" > "$OUT/backward-numba-mma.log" 2>&1
-  echo "verify numba-mma --backward: rc=$? in $(( $(date +%s) - start )) s"
-  grep "FAIL\|fail\|PASS" "$OUT/backward-numba-mma.log" | tail -8
+  for mode in "" --backward; do
+    (timeout 200 python3 -W ignore -m verify numba-mma --suite standard $mode --timeout 60 \
+       --json "$OUT/verify-numba-mma$mode.json" > "$OUT/verify-numba-mma$mode.log" 2>&1
+     echo "rc=$?" >> "$OUT/verify-numba-mma$mode.log") &
+  done
+  wait
+  echo "verify numba-mma, forward and backward side by side: $(( $(date +%s) - start )) s"
+  grep -h "FAIL\|PASS\|rc=" "$OUT"/verify-numba-mma*.log | tail -12
 elif [[ "${PART:-verify}" == verify ]]; then
   start=$(date +%s)
   timeout 240 python3 -W ignore -m verify numba-mma --suite standard --backward --timeout 60 \
