@@ -25,7 +25,7 @@ The record (.ci/ptx_record.json, written by --record and committed with the kern
 the figures of a whole run under the same keys: a fresh clone, CI's, takes a variant's figures
 from it only where its key is unchanged (the same sources, numba, numba-cuda, ptxas and
 compute capability), and compiles every other variant. A kernel change without a new record
-costs CI the compile (about 9 minutes on 2 cores for the 477 kernels), never a stale verdict.
+costs CI the compile (about 9 minutes on 2 cores for all of gate_specs), never a stale verdict.
 """
 import argparse
 import glob

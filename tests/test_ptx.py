@@ -1,7 +1,7 @@
 """Every shipped kernel variant compiles for sm_90 without spills, local memory, float64
 instructions or shared memory over the static limit (numba_kernels/ptx_report.py).
 
-Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling the 477
+Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling the 509
 kernels (numba_kernels.specs.gate_specs) takes about 9 minutes on 2 cores: tests/conftest.py starts the report as soon as this
 test is collected, on every core beside the other tests, and runs this test last, to collect
 its result. The report caches each variant's figures under a key of everything they depend
