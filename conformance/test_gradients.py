@@ -1,5 +1,6 @@
 """Gradients (dq, dk, dv; verify.backward): error bounds, rows that see no key and hidden keys,
-NaN containment, grouped-query reductions, determinism. Run with --backward."""
+NaN containment (in hidden keys, and in rows of Q and dO that some keys do not see),
+grouped-query reductions, determinism. Run with --backward."""
 from dataclasses import replace
 
 import pytest
@@ -47,6 +48,24 @@ def test_gradient_nan_in_hidden_keys_reaches_nothing(grad_impl, limits):
            seed=seeds())
     def prop(case, seed):
         assert_holds("gradient NaN containment", grad_impl, _backward(case), seed)
+
+    prop()
+
+
+def test_gradient_nan_in_rows_reaches_only_the_keys_they_see(grad_impl, limits):
+    """A NaN in a row of Q and one of dO (a row that sees some keys and not others, under a
+    causal band): the keys the row does not see keep finite dk and dv."""
+    causal = grad_impl.supports.causal
+    if not (causal and grad_impl.supports.nonfinite_hidden):
+        pytest.skip(f"{grad_impl.name} does not claim causal and NaN containment")
+
+    @given(case=cases(grad_impl, limits, causal=st.sampled_from(tuple(causal)), mask=st.none(),
+                      window=st.none(), kv_lengths=st.none(), values="normal",
+                      nq=st.integers(2, limits["max_n"]), nk=st.integers(2, limits["max_n"])),
+           seed=seeds())
+    def prop(case, seed):
+        assert_holds("gradient NaN rows", grad_impl, _backward(case, poison="q:nan,dout:nan"),
+                     seed)
 
     prop()
 

@@ -120,6 +120,7 @@ def _implementation(bug):
 
 CORRECT = _implementation(None)
 DK_NOT_SCALED = _implementation("dk-not-scaled")
+LEAKS_NAN_ROWS = _implementation("products-add-every-pair")
 
 
 def _record_warm(backward=False, say=None):

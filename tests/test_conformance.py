@@ -74,6 +74,23 @@ def test_the_gradient_properties_catch_a_broken_backward():
     assert correct.returncode == 0 and "2 passed" in correct.stdout, correct.stdout
 
 
+def test_the_nan_rows_property_catches_a_backward_that_adds_every_pair():
+    """A backward whose dV and dK are plain products (0 * NaN for the pairs that take no
+    part) breaks the NaN-rows property; its correct twin passes it."""
+    def run(impl):
+        cmd = [sys.executable, "-m", "pytest", "conformance/test_gradients.py", "-p",
+               "no:cacheprovider", "--tb=no", "-W", "ignore", "-k", "nan_in_rows",
+               "--impl", impl, "--max-examples", "3", "--no-shrink", "--backward"]
+        return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                              capture_output=True, text=True, timeout=600)
+
+    broken = run("tests.broken_backward:LEAKS_NAN_ROWS")
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert "property 'gradient NaN rows' broken" in broken.stdout, broken.stdout
+    correct = run("tests.broken_backward:CORRECT")
+    assert correct.returncode == 0 and "1 passed" in correct.stdout, correct.stdout
+
+
 def test_the_strategies_draw_only_what_an_implementation_claims():
     """A property that calls the implementation directly (the lse merge) must never hand it a
     case it does not claim: head dims outside a multiple, dtypes, masks (found on the GPU: the
