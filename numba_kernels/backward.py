@@ -13,7 +13,7 @@ from .plain_fwd import plain_tiles
 from .flash_bwd import BwdSpec, bwd_width
 from .flash_mma import SCAN_THREADS, ScanSpec, mma_plan, mma_width, scan_kernel
 from .flash_mma_bwd import (BLOCK as MMA_BLOCK, FLAG_ROWS, MMA_DKDV_ARGS, MMA_DQ_ARGS,
-                            MmaBwdSpec, mma_bwd_kernel)
+                            THREADS as MMA_THREADS, MmaBwdSpec, mma_bwd_kernel)
 from .specs import pad, tuned_bwd_kernel
 
 
@@ -115,7 +115,7 @@ def _mma(pb, io, named, grads, width, has_mask):
         for nonfinite in (False, True):
             spec = MmaBwdSpec(part, mma_width(pb.d), mma_width(pb.dv), pb.dtype, has_mask,
                               nonfinite)
-            launch(mma_bwd_kernel(spec), spec, (blocks, pb.batch * heads), 4 * 32, io.stream,
+            launch(mma_bwd_kernel(spec), spec, (blocks, pb.batch * heads), MMA_THREADS, io.stream,
                    *_ordered(args, values))
 
 

@@ -165,7 +165,22 @@ def make_load_q_fragments(D, K_ROW):
     return load_q_fragments
 
 
+def make_mma_pair(mma):
+    @kernel_part
+    def mma_pair(c, nb, a0, a1, a2, a3, b0, b1, b2, b3):
+        """c's n-blocks nb and nb + 1 += A B for the A fragment a0..a3 and the two B fragments
+        of one ldmatrix.x4 (matrices 0, 1: n-block nb; 2, 3: nb + 1)."""
+        c[nb, 0], c[nb, 1], c[nb, 2], c[nb, 3] = mma(
+            a0, a1, a2, a3, b0, b1, c[nb, 0], c[nb, 1], c[nb, 2], c[nb, 3])
+        c[nb + 1, 0], c[nb + 1, 1], c[nb + 1, 2], c[nb + 1, 3] = mma(
+            a0, a1, a2, a3, b2, b3, c[nb + 1, 0], c[nb + 1, 1], c[nb + 1, 2], c[nb + 1, 3])
+
+    return mma_pair
+
+
 def make_scores(D, K_ROW, mma, KEYS=BLOCK_N):
+    mma_pair = make_mma_pair(mma)
+
     @kernel_part
     def scores(words, at, q_frag, s, lane):
         """S = Q K^T for this warp's 16 rows and the KEYS keys, 16 keys x 16 columns a step:
@@ -178,12 +193,8 @@ def make_scores(D, K_ROW, mma, KEYS=BLOCK_N):
             for kk in range(D // 16):
                 b0, b1, b2, b3 = warp.ldmatrix_x4(
                     words, at + (n2 * 16 + r + 8 * (m // 2)) * K_ROW + kk * 8 + 4 * (m % 2))
-                for half in range(2):
-                    nb = 2 * n2 + half
-                    s[nb, 0], s[nb, 1], s[nb, 2], s[nb, 3] = mma(
-                        q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3],
-                        b0 if half == 0 else b2, b1 if half == 0 else b3,
-                        s[nb, 0], s[nb, 1], s[nb, 2], s[nb, 3])
+                mma_pair(s, 2 * n2, q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3],
+                         b0, b1, b2, b3)
 
     return scores
 
@@ -264,6 +275,8 @@ def make_online_softmax(NB, VB):
 
 
 def make_pv(DV, V_ROW, mma, pack, KEYS=BLOCK_N):
+    mma_pair = make_mma_pair(mma)
+
     @kernel_part
     def pv(words, at, s, acc, lane):
         """acc += P V over KEYS keys, 16 a step: P's fragments of n-blocks 2 n2 and 2 n2 + 1
@@ -279,11 +292,7 @@ def make_pv(DV, V_ROW, mma, pack, KEYS=BLOCK_N):
             for v2 in range(DV // 16):
                 b0, b1, b2, b3 = warp.ldmatrix_x4_trans(
                     words, at + (n2 * 16 + r + 8 * (m % 2)) * V_ROW + v2 * 8 + 4 * (m // 2))
-                for half in range(2):
-                    vb = 2 * v2 + half
-                    acc[vb, 0], acc[vb, 1], acc[vb, 2], acc[vb, 3] = mma(
-                        a0, a1, a2, a3, b0 if half == 0 else b2, b1 if half == 0 else b3,
-                        acc[vb, 0], acc[vb, 1], acc[vb, 2], acc[vb, 3])
+                mma_pair(acc, 2 * v2, a0, a1, a2, a3, b0, b1, b2, b3)
 
     return pv
 

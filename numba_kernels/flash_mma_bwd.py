@@ -2,8 +2,8 @@
 of flash_bwd.py (reference/tiled_backward.py) with every product done by mma.sync (warp.py),
 float32 accumulation, and P and dS rounded to the input dtype where they enter a product (the
 forward, flash_mma.py, rounds P the same way). Two kernels after plain_bwd's delta kernel
-(delta = rowsum(dO * O)); both take the tuned kernels' arguments (plain_bwd.DKDV_ARGS,
-DQ_ARGS).
+(delta = rowsum(dO * O)); their arguments are the tuned kernels' (plain_bwd.DKDV_ARGS,
+DQ_ARGS) with the pre-pass's flags and `deferred` (MMA_DKDV_ARGS, MMA_DQ_ARGS; below).
 
     dkdv  grid (key tiles of BLOCK = 64 keys, B * Hk), 4 warps; warp w owns keys
           start_n + 16 w .. + 15, which are the ROWS of its fragments (S^T, not S). K stays in
@@ -56,25 +56,25 @@ from .convert import CONVERTERS, float32, int64, uint32, uint64
 from .flash_fwd import (F_LOG2E, FASTMATH, NEG_INF, NO_PART, ZERO, check_parameters,
                         kernel_part, key_range_device, key_tiles, make_masked_score)
 from .flash_mma import (BLOCK_N as KEY_TILE, MMA_DTYPES, MMA_WIDTHS, PAD, WARPS,
-                        make_copy_kv, make_copy_tile, make_load_q_fragments, make_pv,
+                        make_copy_kv, make_copy_tile, make_load_q_fragments, make_mma_pair, make_pv,
                         make_pv_seen_pairs, make_scale_and_mask, make_scores)
 from .plain_bwd import DKDV_ARGS, DQ_ARGS
 
 
-def _with_flags(args, before, *names):
-    """args with a flags argument for each of names (the pre-pass's, flash_mma.V_FLAGS's
-    kind) inserted before the argument `before`."""
-    flags = tuple((f"{n}_flags", "flags", f"(B, H, rows / 32) uint8: 1 where 32 rows of {n} "
-                   "hold a NaN or an inf") for n in names)
-    return tuple(x for a in args for x in (flags + (a,) if a[0] == before else (a,)))
-
-
 DEFERRED = ("deferred", "flags", "(B, H, blocks) uint8: 1 where a block's tiles hold a NaN or "
             "an inf: written by the fast variant, read by the nonfinite one")
+
+
+def _with_flags(args, before, *names):
+    """args with the pre-pass's flags of each of names (flash_mma.V_FLAGS's kind) and
+    DEFERRED inserted before the argument `before`."""
+    extra = tuple((f"{n}_flags", "flags", f"(B, H, rows / 32) uint8: 1 where 32 rows of {n} "
+                   "hold a NaN or an inf") for n in names) + (DEFERRED,)
+    return tuple(x for a in args for x in (extra + (a,) if a[0] == before else (a,)))
+
+
 MMA_DKDV_ARGS = _with_flags(DKDV_ARGS, "dk", "q", "dout")
-MMA_DKDV_ARGS = tuple(x for a in MMA_DKDV_ARGS for x in ((DEFERRED, a) if a[0] == "dk" else (a,)))
 MMA_DQ_ARGS = _with_flags(DQ_ARGS, "dq", "k")
-MMA_DQ_ARGS = tuple(x for a in MMA_DQ_ARGS for x in ((DEFERRED, a) if a[0] == "dq" else (a,)))
 FLAG_ROWS = KEY_TILE  # rows of q, k or dout a pre-pass flag covers
 
 BLOCK = 16 * WARPS  # keys of a dkdv block, query rows of a dq block
@@ -146,6 +146,8 @@ def rows_seeing(start_n, last_key, n_q, kv_len, left, right, bottom_right):
 
 
 def make_scores_t(KDIM, A_ROW, B_ROW, COLS, mma):
+    mma_pair = make_mma_pair(mma)
+
     @kernel_part
     def scores_t(words, a_at, b_at, c, lane, w):
         """c = A B^T for A's rows 16 w .. + 15 (at word a_at, A fragments by ldmatrix, as
@@ -161,11 +163,7 @@ def make_scores_t(KDIM, A_ROW, B_ROW, COLS, mma):
             for n2 in range(COLS // 16):
                 b0, b1, b2, b3 = warp.ldmatrix_x4(
                     words, b_at + (n2 * 16 + r + 8 * (m // 2)) * B_ROW + kk * 8 + 4 * (m % 2))
-                for half in range(2):
-                    nb = 2 * n2 + half
-                    c[nb, 0], c[nb, 1], c[nb, 2], c[nb, 3] = mma(
-                        a0, a1, a2, a3, b0 if half == 0 else b2, b1 if half == 0 else b3,
-                        c[nb, 0], c[nb, 1], c[nb, 2], c[nb, 3])
+                mma_pair(c, 2 * n2, a0, a1, a2, a3, b0, b1, b2, b3)
 
     return scores_t
 
@@ -212,6 +210,88 @@ def make_kv_probabilities(NB, masked_score, HAS_MASK):
     return probabilities
 
 
+def make_load_kv_block(copy_k, copy_v, load_v_fragments, STAGES_AT):
+    @kernel_part
+    def load_kv_block(words, k, v, v_frag, b, heads_k, hk, n_k, start_n, kv_len, d, d_v, lane,
+                      w):
+        """The block's keys: K to shared memory at word 0 (zeros past kv_len), V through the
+        stages into this warp's A fragments. Two barriers."""
+        kv_at = (int64(b) * heads_k + hk) * n_k
+        copy_k(words, 0, k, kv_at * d, start_n, kv_len, d)
+        copy_v(words, STAGES_AT, v, kv_at * d_v, start_n, kv_len, d_v)
+        warp.cp_async_commit()
+        warp.cp_async_wait(0)
+        cuda.syncthreads()  # Barrier: K and V have landed.
+        load_v_fragments(words, STAGES_AT, v_frag, lane, w)
+        cuda.syncthreads()  # Barrier: every warp has V's fragments: the stages are free.
+
+    return load_kv_block
+
+
+def make_load_query_block(copy_q, copy_do, load_q_fragments, load_do_fragments, DO_AT):
+    @kernel_part
+    def load_query_block(words, q, dout, q_frag, do_frag, b, heads_q, h, start_m, n_q, d, d_v,
+                         lane, w):
+        """The block's query rows: Q and dO through the stages into this warp's A
+        fragments. Two barriers."""
+        at_q = (int64(b) * heads_q + h) * n_q
+        copy_q(words, 0, q, at_q * d, start_m, n_q, d)
+        copy_do(words, DO_AT, dout, at_q * d_v, start_m, n_q, d_v)
+        warp.cp_async_commit()
+        warp.cp_async_wait(0)
+        cuda.syncthreads()  # Barrier: Q and dO have landed.
+        load_q_fragments(words, 0, q_frag, lane, w)
+        load_do_fragments(words, DO_AT, do_frag, lane, w)
+        cuda.syncthreads()  # Barrier: every warp has its fragments: the stages are free.
+
+    return load_query_block
+
+
+def make_copy_query_tile(copy_q, copy_do, Q_TILE):
+    @kernel_part
+    def copy_query_tile(words, at, q, dout, b, heads_q, h, start_q, n_q, d, d_v):
+        """Rows start_q .. of head h's Q and dO to the stage at word `at` (dO after Q), one
+        group of asynchronous copies."""
+        at_q = (int64(b) * heads_q + h) * n_q
+        copy_q(words, at, q, at_q * d, start_q, n_q, d)
+        copy_do(words, at + Q_TILE, dout, at_q * d_v, start_q, n_q, d_v)
+        warp.cp_async_commit()
+
+    return copy_query_tile
+
+
+def make_interior(QB):
+    @kernel_part
+    def interior(start_q, start_n, n_q, kv_len, left, right, bottom_right):
+        """Whether every row of the query tile start_q .. + QB exists and sees every key of
+        the block start_n .. + BLOCK (key_range is monotone in the row: its first and last
+        rows decide)."""
+        last_row = min(start_q + QB, n_q) - 1
+        return (start_q + QB <= n_q and key_range_device(
+            last_row, n_q, kv_len, left, right, bottom_right)[0] <= start_n
+            and key_range_device(start_q, n_q, kv_len, left, right,
+                                 bottom_right)[1] >= start_n + BLOCK)
+
+    return interior
+
+
+def make_kv_products(dv_product, dk_product, dv_seen_pairs, dk_seen_pairs, Q_TILE, NONFINITE):
+    @kernel_part
+    def products(words, at, s, dp, dk_acc, dv_acc, q_flags, dout_flags, b, h, start_q, lane):
+        """dV += P^T dO, dK += dS^T Q for the stage at word `at`: by mma.sync, or (the
+        nonfinite variant, a tile whose Q or dO holds a NaN or an inf) only the pairs taking
+        part, in float32."""
+        flag = start_q // FLAG_ROWS  # the same for the block: one path
+        if not NONFINITE or (q_flags[b, h, flag] == 0 and dout_flags[b, h, flag] == 0):
+            dv_product(words, at + Q_TILE, s, dv_acc, lane)
+            dk_product(words, at, dp, dk_acc, lane)
+        else:
+            dv_seen_pairs(words, at + Q_TILE, s, s, dv_acc, lane)
+            dk_seen_pairs(words, at, s, dp, dk_acc, lane)
+
+    return products
+
+
 @kernel_part
 def deferred_block(deferred, b, h, flags_a, flags_b, h_first, heads, first_row, last_row, tid):
     """Whether this block leaves its work to the nonfinite variant: the flags of rows
@@ -230,6 +310,22 @@ def deferred_block(deferred, b, h, flags_a, flags_b, h_first, heads, first_row, 
     if tid == 0:
         deferred[b, h, cuda.blockIdx.x] = 1 if bad else 0
     return bad != 0
+
+
+def make_q_probabilities(NB):
+    @kernel_part
+    def q_probabilities(s, dp, lse_r, delta_r):
+        """P = exp2(S - lse) in place of S (scaled and masked), dS = P (dP - delta) in place
+        of dP, for the lane's rows (element e: row e // 2); where the row does not see the
+        key (S = -inf): P = NO_PART, dS = 0."""
+        for nb in range(NB):
+            for e in range(4):
+                x = s[nb, e]
+                p = NO_PART if x == NEG_INF else math.exp2(x - lse_r[e // 2])
+                dp[nb, e] = ZERO if x == NEG_INF else p * (dp[nb, e] - delta_r[e // 2])
+                s[nb, e] = p
+
+    return q_probabilities
 
 
 def make_store_rows(COLS, store):
@@ -279,9 +375,12 @@ def dkdv_kernel_source(spec):
     scores_dp = make_scores(DV, V_ROW, mma, QB)  # dP^T = V dO^T, V's fragments in registers
     probabilities = make_kv_probabilities(
         NB, make_masked_score({"HAS_MASK": spec.has_mask}), spec.has_mask)
-    dv_product, dk_product = make_pv(DV, V_ROW, mma, pack, QB), make_pv(D, K_ROW, mma, pack, QB)
-    dv_seen_pairs = make_pv_seen_pairs(DV, V_ROW, unpack, QB)
-    dk_seen_pairs = make_pv_seen_pairs(D, K_ROW, unpack, QB)
+    products = make_kv_products(
+        make_pv(DV, V_ROW, mma, pack, QB), make_pv(D, K_ROW, mma, pack, QB),
+        make_pv_seen_pairs(DV, V_ROW, unpack, QB), make_pv_seen_pairs(D, K_ROW, unpack, QB),
+        Q_TILE, NONFINITE)
+    copy_query_tile, interior = make_copy_query_tile(copy_q, copy_do, Q_TILE), make_interior(QB)
+    load_kv_block = make_load_kv_block(copy_k, copy_v, load_v_fragments, STAGES_AT)
     store = CONVERTERS[spec.dtype][1]
     store_dk, store_dv = make_store_rows(D, store), make_store_rows(DV, store)
 
@@ -319,20 +418,12 @@ def dkdv_kernel_source(spec):
                             first_q, first_q + tiles * QB - 1, tid):
             return  # a tile holds a NaN or an inf: the nonfinite variant does this block
         if start_n < kv_len:  # else every key of the tile is hidden: dK = dV = 0
-            kv_at = (int64(b) * heads_k + hk) * n_k
-            copy_k(words, 0, k, kv_at * d, start_n, kv_len, d)
-            copy_v(words, STAGES_AT, v, kv_at * d_v, start_n, kv_len, d_v)
-            warp.cp_async_commit()
-            warp.cp_async_wait(0)
-            cuda.syncthreads()  # Barrier: K and V have landed.
-            load_v_fragments(words, STAGES_AT, v_frag, lane, w)
-            cuda.syncthreads()  # Barrier: every warp has V's fragments: the stages are free.
+            load_kv_block(words, k, v, v_frag, b, heads_k, hk, n_k, start_n, kv_len, d, d_v,
+                          lane, w)
             h_next, q_next = int64(hk) * group, first_q  # the next query tile to copy
             if tiles > 0:  # group: the first query tile, into stage 0
-                at_q = (int64(b) * heads_q + h_next) * n_q
-                copy_q(words, STAGES_AT, q, at_q * d, q_next, n_q, d)
-                copy_do(words, STAGES_AT + Q_TILE, dout, at_q * d_v, q_next, n_q, d_v)
-                warp.cp_async_commit()
+                copy_query_tile(words, STAGES_AT, q, dout, b, heads_q, h_next, q_next, n_q, d,
+                                d_v)
                 if tid < QB:
                     stats[0, 0, tid], stats[0, 1, tid] = row_stats(
                         lse_in, delta, b, h_next, q_next + tid, n_q, True)
@@ -348,31 +439,19 @@ def dkdv_kernel_source(spec):
                 cuda.syncthreads()
                 lse_next, delta_next = ZERO, ZERO
                 if h_next < (hk + 1) * group:  # the next tile, into the other stage
-                    at_q = (int64(b) * heads_q + h_next) * n_q
-                    at = STAGES_AT + (1 - stage) * STAGE
-                    copy_q(words, at, q, at_q * d, q_next, n_q, d)
-                    copy_do(words, at + Q_TILE, dout, at_q * d_v, q_next, n_q, d_v)
-                    warp.cp_async_commit()
+                    copy_query_tile(words, STAGES_AT + (1 - stage) * STAGE, q, dout, b, heads_q,
+                                    h_next, q_next, n_q, d, d_v)
                     lse_next, delta_next = row_stats(lse_in, delta, b, h_next, q_next + tid,
                                                      n_q, tid < QB)  # stored after this tile
                 at = STAGES_AT + stage * STAGE
                 scores_s(words, 0, at, s, lane, w)
                 scores_dp(words, at + Q_TILE, v_frag, dp, lane)
-                last_row = min(start_q + QB, n_q) - 1
-                interior = (start_q + QB <= n_q and key_range_device(
-                    last_row, n_q, kv_len, left, right, bottom_right)[0] <= start_n
-                    and key_range_device(start_q, n_q, kv_len, left, right,
-                                         bottom_right)[1] >= start_n + BLOCK)
                 probabilities(s, dp, stats, stage, qk_scale, mask, bias, mask_steps,
                               bias_steps, b, h, key0, start_q, n_q, kv_len, left, right,
-                              bottom_right, interior, lane)
-                flag = start_q // FLAG_ROWS  # the same for the block: one path
-                if not NONFINITE or (q_flags[b, h, flag] == 0 and dout_flags[b, h, flag] == 0):
-                    dv_product(words, at + Q_TILE, s, dv_acc, lane)  # dV += P^T dO
-                    dk_product(words, at, dp, dk_acc, lane)  # dK += dS^T Q
-                else:  # a NaN or an inf in this tile's Q or dO: only the pairs taking part
-                    dv_seen_pairs(words, at + Q_TILE, s, s, dv_acc, lane)
-                    dk_seen_pairs(words, at, s, dp, dk_acc, lane)
+                              bottom_right, interior(start_q, start_n, n_q, kv_len, left,
+                                                     right, bottom_right), lane)
+                products(words, at, s, dp, dk_acc, dv_acc, q_flags, dout_flags, b, h, start_q,
+                         lane)
                 if tid < QB:  # the next tile's statistics, their loads' latency hidden above
                     stats[1 - stage, 0, tid], stats[1 - stage, 1, tid] = lse_next, delta_next
                 stage = 1 - stage
@@ -394,12 +473,14 @@ def dq_kernel_source(spec):
     copy_q, copy_do = make_copy_tile(BLOCK, D, K_ROW), make_copy_tile(BLOCK, DV, V_ROW)
     copy_kv = make_copy_kv(make_copy_tile(KEY_TILE, D, K_ROW),
                            make_copy_tile(KEY_TILE, DV, V_ROW), K_TILE)
-    load_q_fragments = make_load_q_fragments(D, K_ROW)
-    load_do_fragments = make_load_q_fragments(DV, V_ROW)
+    load_query_block = make_load_query_block(
+        copy_q, copy_do, make_load_q_fragments(D, K_ROW), make_load_q_fragments(DV, V_ROW),
+        BLOCK * K_ROW)
     scores_s, scores_dp = make_scores(D, K_ROW, mma), make_scores(DV, V_ROW, mma)
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
                                          spec.has_mask)
     dq_product = make_pv(D, K_ROW, mma, pack)  # dQ += dS K: K in the forward's V place
+    q_probabilities = make_q_probabilities(NB)
     dq_seen_pairs = make_pv_seen_pairs(D, K_ROW, unpack)
     store_dq = make_store_rows(D, CONVERTERS[spec.dtype][1])
 
@@ -429,7 +510,7 @@ def dq_kernel_source(spec):
         zero(dq_acc)
         for half in range(2):
             row = row0 + 8 * half
-            ok = row < n_q
+            ok = row < n_q  # row_stats' values (written as selects here)
             lse_r[half] = lse_in[b, h, row] * F_LOG2E if ok else ZERO
             delta_r[half] = delta[b, h, row] if ok else ZERO
             lo[half], hi[half] = key_range_device(row, n_q, kv_len, left, right, bottom_right)
@@ -441,15 +522,8 @@ def dq_kernel_source(spec):
                 return  # the fast variant did this block
         elif deferred_block(deferred, b, h, k_flags, k_flags, hk, 1, first, last - 1, tid):
             return  # a K tile holds a NaN or an inf: the nonfinite variant does this block
-        at_q = (int64(b) * heads_q + h) * n_q
-        copy_q(words, 0, q, at_q * d, start_m, n_q, d)
-        copy_do(words, BLOCK * K_ROW, dout, at_q * d_v, start_m, n_q, d_v)
-        warp.cp_async_commit()
-        warp.cp_async_wait(0)
-        cuda.syncthreads()  # Barrier: Q and dO have landed.
-        load_q_fragments(words, 0, q_frag, lane, w)
-        load_do_fragments(words, BLOCK * K_ROW, do_frag, lane, w)
-        cuda.syncthreads()  # Barrier: every warp has its fragments: the stages are free.
+        load_query_block(words, q, dout, q_frag, do_frag, b, heads_q, h, start_m, n_q, d, d_v,
+                         lane, w)
         k_at = (int64(b) * heads_k + hk) * n_k
         if first < last:  # group: the first key tile, into stage 0
             copy_kv(words, 0, k, v, k_at * d, k_at * d_v, first, last, d, d_v)
@@ -470,12 +544,7 @@ def dq_kernel_source(spec):
             interior = start_n >= lo_last and start_n + KEY_TILE <= hi_first
             scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0,
                            start_n, lo, hi, interior, whole_rows, n_q, lane)
-            for nb in range(NB):  # P in place of S, dS of dP; NO_PART and 0 where the row
-                for e in range(4):  # does not see the key
-                    x = s[nb, e]
-                    p = NO_PART if x == NEG_INF else math.exp2(x - lse_r[e // 2])
-                    dp[nb, e] = ZERO if x == NEG_INF else p * (dp[nb, e] - delta_r[e // 2])
-                    s[nb, e] = p
+            q_probabilities(s, dp, lse_r, delta_r)
             if not NONFINITE or k_flags[b, hk, start_n // FLAG_ROWS] == 0:
                 dq_product(words, at, dp, dq_acc, lane)  # dQ += dS K
             else:  # a NaN or an inf in this K tile: only the pairs taking part

@@ -223,13 +223,12 @@ def variants(forward, backward=None):
     """The variants calls of one of our implementations can launch, for warming the cache
     before a run: forward "simt" (flash_attention(kernel="simt")), "plain" or "mma", with the
     split-KV merges; backward None, "plain", "tuned" or "mma" (with the delta kernel; "mma"
-    with the tuned kernels, which 16-bit calls the tensor cores do not take run, and the
-    pre-pass that flags tiles holding a NaN or an inf)."""
+    with the pre-pass that flags tiles holding a NaN or an inf)."""
     fwd = {"simt": shipped_specs(), "plain": plain_specs(HEAD_DIMS), "mma": mma_specs()}
     merges = [d for d in DTYPES if forward != "mma" or d in MMA_DTYPES]
     bwd = [] if backward is None else [s for s in plain_bwd_specs(HEAD_DIMS)
                                        if s.part == "delta" or backward == "plain"]
-    if backward in ("tuned", "mma"):
+    if backward == "tuned":
         bwd += bwd_specs()
     if backward == "mma":
         bwd += mma_bwd_specs() + [s for s in mma_specs() if isinstance(s, ScanSpec)

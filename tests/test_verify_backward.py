@@ -42,6 +42,20 @@ def test_a_plan_cached_by_shape_is_caught_whatever_ran_before():
         == "pass"
 
 
+def test_a_nan_in_dout_rows_is_caught_too():
+    """The dout poison (applied by verify.backward, not make_inputs) fails the backward that
+    adds every pair, and not its correct twin."""
+    from verify.adapters import Implementation
+    from verify.runner import run_case
+
+    case = next(c for c in backward_battery("quick") if c.poison == "dout:inf")
+    for bug, verdict in (("products-add-every-pair", "fail"), (None, "pass")):
+        impl = Implementation("leaky", kernel(None), Supports(backward=True), grad=grad(bug))
+        result = run_case(impl, case, seed=3)
+        assert result.verdict == verdict, result.detail
+        assert verdict == "pass" or "non-finite" in result.detail, result.detail
+
+
 def test_the_unbroken_backward_twin_passes():
     report = verify.compare(kernel(None), grad=grad(None), suite="quick", progress=False)
     assert report.passed, str(report)
