@@ -3,7 +3,8 @@ reference/tiled.py with the products S = Q K^T and P V done by mma.sync (warp.py
 accumulation throughout.
 
     grid:    (query tiles of BLOCK_M = 64 rows, the last first; B * Hq; key splits (split-KV; 1
-             without))
+             without)); under a causal band the blocks run tile by tile across every head
+             (flash_fwd.launch_order)
     block:   4 warps; warp w owns rows start_m + 16 w .. + 15 of the tile. In every fragment
              lane = 4 g + t holds rows g and g + 8 of its warp's 16 (warp.py draws the layouts).
     shared:  16-bit tiles, rows padded by 8 values (16 bytes) so that the 8 row addresses of an
@@ -38,8 +39,8 @@ from numba import cuda
 from . import warp
 from .convert import CONVERTERS, float32, int64, uint32
 from .flash_fwd import (F_LN2, NEG_INF, NO_PART, ZERO, ARGS, FASTMATH, check_parameters,
-                        kernel_part, key_range_device, key_tiles, make_masked_score,
-                        takes_part)
+                        grid_order, kernel_part, key_range_device, key_tiles,
+                        make_masked_score, takes_part)
 from .compile_cache import jit
 
 V_FLAGS = ("v_flags", "flags", "(B, Hk, key tiles) uint8: 1 where a V tile holds a NaN or an "
@@ -435,15 +436,16 @@ def kernel_source(spec):
 
         tid = cuda.threadIdx.x
         w, lane = tid // 32, tid % 32
-        b, h = cuda.blockIdx.y // heads_q, cuda.blockIdx.y % heads_q
+        # The last query tile first (rank 0): under a causal band it walks the most keys;
+        # then rank by rank across every head (flash_fwd.launch_order).
+        bh, rank = grid_order(right >= 0)
+        b, h = bh // heads_q, bh % heads_q
         hk = h // group  # grouped-query attention: query head h reads key head h // group
         heads_k, n_k = k.shape[1], k.shape[2]
         q_base = (int64(b) * heads_q + h) * n_q * d  # flat offsets of the head's matrices
         k_base = (int64(b) * heads_k + hk) * n_k * d
         v_base = (int64(b) * heads_k + hk) * n_k * dv
-        # The last query tile first: under a causal mask it walks the most keys, and the
-        # blocks launched last (the tail of the grid) are then the shortest.
-        start_m = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK_M
+        start_m = (cuda.gridDim.x - 1 - rank) * BLOCK_M
         whole_rows = start_m + BLOCK_M <= n_q  # every row of the tile exists
         row0 = start_m + w * 16 + lane // 4  # the lane's rows: row0 and row0 + 8
         kv_len = int64(kv_lengths[b])

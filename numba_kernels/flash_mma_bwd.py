@@ -17,8 +17,10 @@ DQ_ARGS) with the pre-pass's flags and `deferred` (MMA_DKDV_ARGS, MMA_DQ_ARGS; b
                                                   fragments (k = queries); dO and Q by
                                                   ldmatrix.trans, as the forward reads V
           then dK * scale and dV are stored: the sums over a group's query heads are made in
-          one block, in a fixed order (deterministic).
-    dq    grid (query tiles of BLOCK = 64 rows, the last first, B * Hq), 4 warps of 16 rows as
+          one block, in a fixed order (deterministic). Under a causal band the first key
+          tiles (seen by the most rows) start first across every head (launch_order).
+    dq    grid (query tiles of BLOCK = 64 rows, the last first, B * Hq; in the forward's
+          launch_order), 4 warps of 16 rows as
           in the forward; Q's and dO's A fragments in registers; K and V tiles of 32 keys
           double-buffered by cp.async (flash_mma's copies):
               S = Q K^T, dP = dO V^T              flash_mma's scores, scale_and_mask
@@ -54,7 +56,8 @@ from . import warp
 from .compile_cache import jit
 from .convert import CONVERTERS, float32, int64, uint32, uint64
 from .flash_fwd import (F_LOG2E, FASTMATH, NEG_INF, NO_PART, ZERO, check_parameters,
-                        kernel_part, key_range_device, key_tiles, make_masked_score)
+                        grid_order, kernel_part, key_range_device, key_tiles,
+                        make_masked_score)
 from .flash_mma import (BLOCK_N as KEY_TILE, MMA_DTYPES, MMA_WIDTHS, PAD, WARPS,
                         make_copy_kv, make_copy_tile, make_load_q_fragments, make_mma_pair, make_pv,
                         make_pv_seen_pairs, make_scale_and_mask, make_scores)
@@ -293,12 +296,13 @@ def make_kv_products(dv_product, dk_product, dv_seen_pairs, dk_seen_pairs, Q_TIL
 
 
 @kernel_part
-def deferred_block(deferred, b, h, flags_a, flags_b, h_first, heads, first_row, last_row, tid):
-    """Whether this block leaves its work to the nonfinite variant: the flags of rows
-    first_row .. last_row (inclusive; none when last_row < first_row) of heads h_first ..
-    + heads in flags_a or flags_b are read by the block's threads side by side; thread 0
-    records the answer in deferred[b, h, blockIdx.x] for the nonfinite variant. A barrier
-    (every thread of the block calls it)."""
+def deferred_block(deferred, b, h, tile, flags_a, flags_b, h_first, heads, first_row,
+                   last_row, tid):
+    """Whether this block (its tile of head h) leaves its work to the nonfinite variant: the
+    flags of rows first_row .. last_row (inclusive; none when last_row < first_row) of heads
+    h_first .. + heads in flags_a or flags_b are read by the block's threads side by side;
+    thread 0 records the answer in deferred[b, h, tile] for the nonfinite variant. A
+    barrier (every thread of the block calls it)."""
     bad = 0
     if last_row >= first_row:  # no run-time division (a 64-bit one is a subroutine)
         first, last = first_row // FLAG_ROWS, last_row // FLAG_ROWS
@@ -308,7 +312,7 @@ def deferred_block(deferred, b, h, flags_a, flags_b, h_first, heads, first_row, 
                     bad = 1
     bad = cuda.syncthreads_or(bad)
     if tid == 0:
-        deferred[b, h, cuda.blockIdx.x] = 1 if bad else 0
+        deferred[b, h, tile] = 1 if bad else 0
     return bad != 0
 
 
@@ -400,8 +404,11 @@ def dkdv_kernel_source(spec):
         w, lane = tid // 32, tid % 32
         heads_q, heads_k, n_k = q.shape[1], k.shape[1], k.shape[2]
         d, d_v = q.shape[3], v.shape[3]
-        b, hk = cuda.blockIdx.y // heads_k, cuda.blockIdx.y % heads_k
-        start_n = int64(cuda.blockIdx.x) * BLOCK
+        # Under a causal band the first keys are seen by the most rows: they go first,
+        # rank by rank across every head (flash_fwd.launch_order).
+        bhk, tile = grid_order(right >= 0)
+        b, hk = bhk // heads_k, bhk % heads_k
+        start_n = tile * BLOCK
         key0 = start_n + w * 16 + lane // 4  # the lane's keys: key0 and key0 + 8
         kv_len = int64(kv_lengths[b])
         zero(dk_acc)
@@ -412,10 +419,10 @@ def dkdv_kernel_source(spec):
         tiles = (end - first_q + QB - 1) // QB if end > begin and start_n < kv_len \
             else int64(0)
         if NONFINITE:
-            if deferred[b, hk, cuda.blockIdx.x] == 0:
+            if deferred[b, hk, tile] == 0:
                 return  # the fast variant did this block
-        elif deferred_block(deferred, b, hk, q_flags, dout_flags, int64(hk) * group, group,
-                            first_q, first_q + tiles * QB - 1, tid):
+        elif deferred_block(deferred, b, hk, tile, q_flags, dout_flags, int64(hk) * group,
+                            group, first_q, first_q + tiles * QB - 1, tid):
             return  # a tile holds a NaN or an inf: the nonfinite variant does this block
         if start_n < kv_len:  # else every key of the tile is hidden: dK = dV = 0
             load_kv_block(words, k, v, v_frag, b, heads_k, hk, n_k, start_n, kv_len, d, d_v,
@@ -501,9 +508,11 @@ def dq_kernel_source(spec):
         w, lane = tid // 32, tid % 32
         heads_q, heads_k, n_k = q.shape[1], k.shape[1], k.shape[2]
         d, d_v = q.shape[3], v.shape[3]
-        b, h = cuda.blockIdx.y // heads_q, cuda.blockIdx.y % heads_q
+        bh, rank = grid_order(right >= 0)  # the last tile first (flash_fwd.launch_order)
+        b, h = bh // heads_q, bh % heads_q
         hk = h // group
-        start_m = (cuda.gridDim.x - 1 - cuda.blockIdx.x) * BLOCK  # the last tile first
+        tile = cuda.gridDim.x - 1 - rank
+        start_m = tile * BLOCK
         row0 = start_m + w * 16 + lane // 4  # the lane's rows: row0 and row0 + 8
         kv_len = int64(kv_lengths[b])
         whole_rows = start_m + BLOCK <= n_q
@@ -518,9 +527,10 @@ def dq_kernel_source(spec):
             start_m, min(start_m + BLOCK, n_q) - 1, n_q, kv_len, left, right, bottom_right, 0,
             n_k, KEY_TILE)
         if NONFINITE:
-            if deferred[b, h, cuda.blockIdx.x] == 0:
+            if deferred[b, h, tile] == 0:
                 return  # the fast variant did this block
-        elif deferred_block(deferred, b, h, k_flags, k_flags, hk, 1, first, last - 1, tid):
+        elif deferred_block(deferred, b, h, tile, k_flags, k_flags, hk, 1, first, last - 1,
+                            tid):
             return  # a K tile holds a NaN or an inf: the nonfinite variant does this block
         load_query_block(words, q, dout, q_frag, do_frag, b, heads_q, h, start_m, n_q, d, d_v,
                          lane, w)

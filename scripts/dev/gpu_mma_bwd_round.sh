@@ -1,31 +1,39 @@
 #!/usr/bin/env bash
-# On a GPU machine, one round of work on the tensor-core backward (flash_mma_bwd.py): verify's
-# standard backward suite for numba-mma, then the backward benchmark beside PyTorch's backends
-# (BWD_DTYPES, default the 16-bit ones), one after the other (nothing else on the GPU while
-# it times). PART=conformance instead: the conformance gradient properties of numba-mma, its
-# warm-up timed, and an ncu profile of the two kernels; PART=ab: the A/B of the forward and
-# of the backward against the copy in _ab_mma_old (scripts/dev/ab_mma.py), then verify's
-# forward and backward suites for numba-mma side by side. Everything lands in $OUT.
+# On a GPU machine, one round of work on the tensor-core backward (flash_mma_bwd.py). PART
+# names the steps, in order (default "verify"):
+#   verify       verify's standard backward suite for numba-mma, then the backward benchmark
+#                beside PyTorch's backends (BWD_DTYPES, default the 16-bit ones), one after
+#                the other (nothing else on the GPU while it times);
+#   ab           the A/B of the forward and of the backward against the copy in
+#                _ab_mma_old (scripts/dev/ab_mma.py; AB_TIMEOUT seconds each, default 150);
+#   ab-verify    verify's forward and backward suites for numba-mma, and the forward suite
+#                for numba (the SIMT kernel), side by side;
+#   conformance  the conformance gradient properties of numba-mma, its warm-up timed, and an
+#                ncu profile of the two kernels.
+# Everything lands in $OUT.
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if [[ "${PART:-verify}" == ab ]]; then
+for PART in ${PART:-verify}; do
+if [[ "$PART" == ab ]]; then
   for mode in "" --backward; do
     start=$(date +%s)
-    timeout 150 python3 -W ignore scripts/dev/ab_mma.py $mode > "$OUT/ab_mma$mode.log" 2>&1
+    timeout ${AB_TIMEOUT:-150} python3 -W ignore scripts/dev/ab_mma.py $mode > "$OUT/ab_mma$mode.log" 2>&1
     echo "ab_mma $mode rc=$? in $(( $(date +%s) - start )) s"; grep -v Warn "$OUT/ab_mma$mode.log"
   done
+elif [[ "$PART" == ab-verify ]]; then
   start=$(date +%s)
-  for mode in "" --backward; do
-    (timeout 200 python3 -W ignore -m verify numba-mma --suite standard $mode --timeout 60 \
-       --json "$OUT/verify-numba-mma$mode.json" > "$OUT/verify-numba-mma$mode.log" 2>&1
-     echo "rc=$?" >> "$OUT/verify-numba-mma$mode.log") &
+  for run in "numba-mma" "numba-mma --backward" "numba"; do
+    name=$(echo $run | tr -d ' -')
+    (timeout 200 python3 -W ignore -m verify $run --suite standard --timeout 60 \
+       --json "$OUT/verify-$name.json" > "$OUT/verify-$name.log" 2>&1
+     echo "rc=$?" >> "$OUT/verify-$name.log") &
   done
   wait
-  echo "verify numba-mma, forward and backward side by side: $(( $(date +%s) - start )) s"
-  grep -h "FAIL\|PASS\|rc=" "$OUT"/verify-numba-mma*.log | tail -12
-elif [[ "${PART:-verify}" == verify ]]; then
+  echo "verify numba-mma forward and backward, numba forward, side by side: $(( $(date +%s) - start )) s"
+  grep -h "FAIL\|PASS\|rc=" "$OUT"/verify-*.log | tail -16
+elif [[ "$PART" == verify ]]; then
   start=$(date +%s)
   timeout 240 python3 -W ignore -m verify numba-mma --suite standard --backward --timeout 60 \
     --json "$OUT/backward-numba-mma.json" > "$OUT/backward-numba-mma.log" 2>&1
@@ -37,7 +45,7 @@ elif [[ "${PART:-verify}" == verify ]]; then
     --impls ${BWD_IMPLS:-numba-mma,numba-tuned,flash,efficient,cudnn,math} \
     --budget-s ${BENCH_BUDGET:-240} > "$OUT/backward_speed.log" 2>&1
   echo "backward_speed rc=$? in $(( $(date +%s) - start )) s"; grep -v Warn "$OUT/backward_speed.log"
-else
+elif [[ "$PART" == conformance ]]; then
   start=$(date +%s)
   timeout -s INT -k 20 ${GRAD_TIMEOUT:-300} python3 -m pytest conformance --impl numba-mma \
     --backward -k gradient -p no:cacheprovider -W ignore -rfs -q --durations=5 \
@@ -52,4 +60,7 @@ else
     echo "ncu mma backward $dtype rc=$?"
     grep -E "^  [a-z_]|$KEYS" "$OUT/ncu_mma_bwd_$dtype.txt" | grep -v "^    -" | head -40
   done
+else
+  echo "PART: unknown step $PART (ab, ab-verify, verify, conformance)"; exit 2
 fi
+done

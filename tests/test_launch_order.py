@@ -1,0 +1,47 @@
+"""The order in which the kernels' blocks take their tiles (flash_fwd.launch_order), on the
+host: every (head, tile) once, a head's tiles together without a causal band, and under one
+the longest blocks first across every head, for the forward's query tiles and the backward's
+key tiles alike."""
+import pytest
+
+from numba_kernels.flash_fwd import launch_order
+from reference.contract import key_range
+
+SIZES = [(1, 1), (1, 5), (3, 1), (7, 32), (64, 32), (13, 3)]  # (tiles, heads)
+
+
+@pytest.mark.parametrize("n_tiles,n_bh", SIZES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_tile_of_every_head_once(n_tiles, n_bh, causal):
+    seen = [launch_order(i, n_tiles, n_bh, causal) for i in range(n_tiles * n_bh)]
+    assert sorted(seen) == [(bh, r) for bh in range(n_bh) for r in range(n_tiles)]
+
+
+@pytest.mark.parametrize("n_tiles,n_bh", SIZES)
+def test_without_causal_a_heads_tiles_run_together(n_tiles, n_bh):
+    heads = [launch_order(i, n_tiles, n_bh, False)[0] for i in range(n_tiles * n_bh)]
+    assert heads == sorted(heads)
+
+
+def query_tile_keys(rank, n_tiles, tile, n):
+    """Keys the query tile of this rank walks (the last tile first), causal top-left."""
+    last_row = min((n_tiles - rank) * tile, n) - 1
+    return key_range(last_row, n, n, -1, 0, False)[1]
+
+
+def key_tile_rows(rank, tile, n):
+    """Query rows that see the key tile of this rank (rank = key tile), causal top-left."""
+    return n - rank * tile
+
+
+@pytest.mark.parametrize("n,n_bh", [(64, 1), (4096, 32), (1000, 3), (65, 7)])
+def test_under_a_causal_band_the_longest_blocks_start_first(n, n_bh):
+    """The work of each block in launch order never grows: head by head (the order without a
+    causal band) the last head's longest tiles would start near the end."""
+    tile = 64
+    n_tiles = -(-n // tile)
+    order = [launch_order(i, n_tiles, n_bh, True)[1] for i in range(n_tiles * n_bh)]
+    for work in (lambda r: query_tile_keys(r, n_tiles, tile, n),
+                 lambda r: key_tile_rows(r, tile, n)):
+        done = [work(r) for r in order]
+        assert done == sorted(done, reverse=True)
