@@ -7,7 +7,8 @@ of the package, side by side.
 Both through their own mma_attention or flash_attention_backward(kernel="mma") (each version's
 whole call: checks, launches, the pre-passes), on the same inputs. Medians of CUDA events,
 alternating old and new three times; the largest difference between the two outputs as a
-sanity check; last, each version's causal speed-up (full time over causal time).
+sanity check; last, each version's causal speed-up (full time over causal time). AB_ONLY="N:D,..."
+keeps only the shapes of those Nq and head dims.
 """
 import os
 import sys
@@ -23,6 +24,8 @@ from benchmarks.attention_speed import DTYPES, time_ms  # noqa: E402
 # shape without: the table ends with the causal speed-up of each version.
 SHAPES = [(2, 16, 8192, 8192, 128, "float16", False), (2, 16, 8192, 8192, 128, "bfloat16", False),
           (2, 16, 8192, 8192, 128, "bfloat16", True),
+          (4, 16, 8192, 8192, 64, "float16", False), (4, 16, 8192, 8192, 64, "float16", True),
+          (4, 16, 8192, 8192, 64, "bfloat16", False), (4, 16, 8192, 8192, 64, "bfloat16", True),
           (2, 16, 4096, 4096, 128, "float16", False), (2, 16, 4096, 4096, 128, "float16", True),
           (2, 16, 4096, 4096, 128, "bfloat16", False), (2, 16, 4096, 4096, 128, "bfloat16", True),
           (4, 16, 4096, 4096, 64, "float16", False), (4, 16, 4096, 4096, 64, "float16", True),
@@ -80,6 +83,11 @@ def compare(shapes, make_runs, flops_factor, title):
                   f"new {full[1] / n:5.2f}x")
 
 
+ONLY = os.environ.get("AB_ONLY")  # "N:D,N:D": only the shapes of these Nq and D
+if ONLY:
+    keep = {tuple(map(int, x.split(":"))) for x in ONLY.split(",")}
+    SHAPES = [s for s in SHAPES if (s[2], s[4]) in keep]
+    BACKWARD_SHAPES = [s for s in BACKWARD_SHAPES if (s[2], s[4]) in keep]
 if "--backward" in sys.argv:
     compare(BACKWARD_SHAPES, backward_runs, 2.5, "backward shape")
 else:

@@ -1,6 +1,6 @@
 """Where the time of one flash_attention call goes at small N, on a GPU with torch tensors.
 
-    python scripts/dev/host_overhead.py [--out DIR]
+    python scripts/dev/host_overhead.py [--out DIR] [--dtype float16] [--n 1024,4096] [--d 64]
 
 For each shape, three figures in milliseconds:
 - call: CUDA events around one flash_attention call after a synchronize, median (what
@@ -8,10 +8,13 @@ For each shape, three figures in milliseconds:
   the GPU waits for it);
 - kernel: the call's main kernel launched ten times back to back with the arguments of one
   call, events around the ten, divided by ten (the GPU's time, when launches queue faster
-  than the kernel runs; a split-KV merge is not in it);
+  than the kernel runs; a split-KV merge and the tensor-core kernel's pre-pass are not in it);
 - launch: host milliseconds of that launch alone (the api's `launch` function).
 Then a cProfile of 50 calls of the first shape (the functions with the most own time), written
-to DIR/host_profile_new.txt (and _old.txt) with its first lines printed.
+to DIR/host_profile_new.txt (and _old.txt) with its first lines printed. --dtype (default
+float32) picks the inputs' dtype, and with it the kernel (float16 and bfloat16: the
+tensor-core one); --n replaces the shapes by (B, 16, N, N, D), full and causal, D from --d
+(default 128) and B = 256 / D (the benchmark's shapes).
 When numba_kernels/_ab_old_api.py exists (git show REV:numba_kernels/api.py), its calls are
 timed too, alternating with the working tree's.
 """
@@ -42,7 +45,8 @@ SHAPES = [(2, 16, 1024, 1024, 128, False), (4, 16, 1024, 1024, 64, False),
 
 
 def captured_launch(module, q, k, v, causal):
-    """A function that repeats the main kernel launch of one call, as the api made it."""
+    """A function that repeats the main kernel launch of one call, as the api made it (not
+    a pre-pass or a merge: the launch of a KernelSpec or an MmaSpec)."""
     seen = []
     real = module.launch
 
@@ -56,7 +60,8 @@ def captured_launch(module, q, k, v, causal):
     finally:
         module.launch = real
     torch.cuda.synchronize()
-    return partial(real, *seen[0])
+    main = [args for args in seen if type(args[1]).__name__ in ("KernelSpec", "MmaSpec")]
+    return partial(real, *main[0])
 
 
 def kernel_ms(relaunch, reps=10):
@@ -87,13 +92,21 @@ def launch_ms(relaunch):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="out")
-    out = parser.parse_args().out
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    parser.add_argument("--n", help="sizes N of (B, 16, N, N, D) shapes, full and causal")
+    parser.add_argument("--d", default="128", help="head dims D of those shapes, e.g. 64,128")
+    args = parser.parse_args()
+    out, dtype = args.out, getattr(torch, args.dtype)
+    shapes = SHAPES if not args.n else [(256 // d, 16, n, n, d, c)
+                                        for d in map(int, args.d.split(","))
+                                        for n in map(int, args.n.split(","))
+                                        for c in (False, "top_left")]
     os.makedirs(out, exist_ok=True)
     modules = [("new", api)] + ([("old", old_api)] if old_api else [])
     print(f"{'shape':36s} {'api':4s} {'call':>7s} {'kernel':>7s} {'launch':>7s}")
-    for B, H, n_q, n_k, d, causal in SHAPES:
-        q = torch.randn(B, H, n_q, d, device="cuda")
-        k, v = (torch.randn(B, H, n_k, d, device="cuda") for _ in range(2))
+    for B, H, n_q, n_k, d, causal in shapes:
+        q = torch.randn(B, H, n_q, d, device="cuda", dtype=dtype)
+        k, v = (torch.randn(B, H, n_k, d, device="cuda", dtype=dtype) for _ in range(2))
         for name, module in modules * 2:
             call = time_ms(partial(module.flash_attention, q, k, v, causal=causal))[0]
             relaunch = captured_launch(module, q, k, v, causal)
@@ -101,7 +114,7 @@ def main():
             host = launch_ms(relaunch)
             shape = str((B, H, n_q, n_k, d, causal))
             print(f"{shape:36s} {name:4s} {call:7.3f} {kern:7.3f} {host:7.3f}", flush=True)
-    q, k, v = (torch.randn(2, 16, 1024, 128, device="cuda") for _ in range(3))
+    q, k, v = (torch.randn(2, 16, 1024, 128, device="cuda", dtype=dtype) for _ in range(3))
     for name, module in modules:
         profile = cProfile.Profile()
         profile.enable()
