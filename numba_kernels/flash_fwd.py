@@ -273,11 +273,13 @@ launch_order_device = device_function(launch_order)  # plain arithmetic: tested 
 @device_function
 def grid_order(causal):
     """launch_order for a 2-D grid of (tiles, bh) blocks, blockIdx.x the fastest (the order
-    in which the GPU starts them). In 32-bit arithmetic: a 64-bit division is a subroutine
-    call, and with it the D = 128 tensor-core forward took 225 registers instead of 166."""
+    in which the GPU starts them). Divided in 32-bit arithmetic (a 64-bit division is a
+    subroutine call, and with it the D = 128 tensor-core forward took 225 registers instead
+    of 166), returned as int64 (unsigned values would wrap in the kernels' differences)."""
     n_tiles = uint32(cuda.gridDim.x)
-    return launch_order_device(uint32(cuda.blockIdx.y) * n_tiles + uint32(cuda.blockIdx.x),
-                               n_tiles, uint32(cuda.gridDim.y), causal)
+    bh, rank = launch_order_device(uint32(cuda.blockIdx.y) * n_tiles + uint32(cuda.blockIdx.x),
+                                   n_tiles, uint32(cuda.gridDim.y), causal)
+    return int64(bh), int64(rank)
 
 
 @device_function
