@@ -11,6 +11,7 @@ from reference.contract import check_attention_args, row_lengths
 from reference.dtypes import TRANSPORT, numpy_dtype, transported
 from .convert import SIMULATOR
 from .flash_fwd import LOG2E, kernel_args
+from . import replay
 from .launch import launch
 from .flash_mma import (BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, MMA_ARG_NAMES,
                         SCAN_THREADS, MmaSpec, ScanSpec, mma_kernel, mma_plan,
@@ -104,14 +105,26 @@ def _plan(pb, kernel, spec):
 
 def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
             window=None, return_lse=False, num_splits=None, spec=None, kernel="auto"):
-    """flash_attention without autograd: the kernels' launch (the arguments checked once)."""
+    """flash_attention without autograd: the kernels' launch (the arguments checked once).
+    A torch call of a layout seen before replays that call's launches (replay.py)."""
     _check_kernel(kernel)
     _check_num_splits(num_splits)
-    pb, io, out, lse = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
-    if _plan(pb, kernel, spec)[0] == "mma":
-        _mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits)
-    else:
-        _simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec)
+    key = None
+    if mask is None and bias is None and kv_lengths is None and spec is None:
+        key = replay.call_key((q, k, v), (scale, causal, window, return_lse, num_splits,
+                                          kernel))
+        found = replay.find(key)
+        if found is not None:
+            return found.run((q, k, v))
+    with replay.recording(key, (q, k, v)) as recorded:
+        pb, io, out, lse = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
+        if _plan(pb, kernel, spec)[0] == "mma":
+            _mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits)
+        else:
+            _simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
+                          spec)
+        if recorded is not None:
+            recorded.returns(out, lse, return_lse)
     return _results(io, out, lse, return_lse)
 
 
@@ -399,10 +412,12 @@ class _TorchIO:
         return transported(x.detach().contiguous())
 
     def empty(self, shape, dtype):
-        return self.torch.empty(shape, dtype=getattr(self.torch, dtype), device=self.device)
+        return replay.allocated(self.torch.empty(shape, dtype=getattr(self.torch, dtype),
+                                                 device=self.device))
 
     def scratch(self, shape):
-        return self.torch.empty(shape, dtype=self.torch.uint8, device=self.device)
+        return replay.allocated(self.torch.empty(shape, dtype=self.torch.uint8,
+                                                 device=self.device))
 
     def words(self, x):
         return x.view(self.torch.int32).reshape(-1)
@@ -432,7 +447,7 @@ class _TorchIO:
         x = self._constants.get(key)
         if x is None:
             x = self._constants[key] = make()
-        return x
+        return replay.kept(x)
 
     def result(self, x):
         return x

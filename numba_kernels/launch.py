@@ -11,8 +11,8 @@ So `launch` keeps, for each kernel and argument layout (the tensors' dtypes, sha
 and device, the scalars' values, the grid and the stream), the compiled function and its
 flattened parameter list.
 The first call of a layout goes through Numba's own launch, which compiles the variant when it
-is new; a later call with the same layout only writes the tensors' data pointers into a copy of
-the list and launches through cuda.core, as Numba itself does. NumPy, CuPy and Numba device
+is new; a later call with the same layout only writes the tensors' data pointers into the packed
+list and launches it with the driver's cuLaunchKernel. NumPy, CuPy and Numba device
 arrays, and every call in the simulator, take Numba's launch each time. What this needs of
 Numba's internals is in numba_internals.py, and only there.
 """
@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 from numba import cuda
 
-from . import numba_internals
+from . import numba_internals, replay
 from .compile_cache import compiling
 from .convert import SIMULATOR
 
@@ -33,8 +33,6 @@ COMPILE_SECONDS = {}
 FAST_LAUNCHES = [0]
 MAX_PLANS = 4096
 _PLANS = {}  # layout -> _Plan, or None where a layout cannot take the fast path
-MAX_STREAMS = 256
-_CORE_STREAMS = {}  # Numba stream handle -> cuda.core Stream
 
 
 def compile_times():
@@ -51,6 +49,7 @@ def launch(kernel, key, blocks, threads, stream, *args):
     tensors = [i for i, a in enumerate(args) if hasattr(a, "data_ptr")]
     if SIMULATOR or not tensors:
         _numba_launch(kernel, key, blocks, threads, stream, args)
+        replay.launched(None, args)
         return
     layout = (kernel, blocks, threads, _handle(stream)) + tuple(
         (a.dtype, a.shape, a.stride(), a.get_device()) if i in tensors else (type(a), a)
@@ -59,13 +58,15 @@ def launch(kernel, key, blocks, threads, stream, *args):
     if plan:
         plan.launch(args)
         FAST_LAUNCHES[0] += 1
+        replay.launched(plan, args)
         return
     devs = tuple(cuda.as_cuda_array(a) if i in tensors else a for i, a in enumerate(args))
     _numba_launch(kernel, key, blocks, threads, stream, devs)
     if plan is False:  # the first call of this layout (None: it cannot take the fast path)
         if len(_PLANS) >= MAX_PLANS:  # many shapes (varying sequence lengths): start over
             _PLANS.clear()
-        _PLANS[layout] = _Plan.build(kernel, blocks, threads, stream, devs, tensors)
+        plan = _PLANS[layout] = _Plan.build(kernel, blocks, threads, stream, devs, tensors)
+    replay.launched(plan, args)
 
 
 def _numba_launch(kernel, key, blocks, threads, stream, args):
@@ -97,13 +98,6 @@ def _switching():
 SIMULATOR_SWITCH_S = 5e-4
 
 
-def _cuda_core():
-    """cuda.core's launch configuration and stream types (Numba launches through it too)."""
-    from cuda.core import LaunchConfig, Stream
-
-    return LaunchConfig, Stream
-
-
 def _handle(stream):
     """The CUstream address of a Numba stream (0 for the default stream)."""
     if not stream:
@@ -113,12 +107,11 @@ def _handle(stream):
 
 
 class _Plan:
-    """A compiled kernel's function, launch configuration and flattened parameters, with the
-    positions of the data pointers to fill in at each launch."""
+    """A compiled kernel's launch with its parameters packed (numba_internals.PackedLaunch),
+    and the (slot, argument index) of each tensor's data pointer among them."""
 
-    def __init__(self, function, config, stream, params, pointer_slots):
-        self.function, self.config, self.stream = function, config, stream
-        self.params, self.pointer_slots = params, pointer_slots
+    def __init__(self, packed, pointer_slots):
+        self.packed, self.pointer_slots = packed, pointer_slots
 
     @classmethod
     def build(cls, kernel, blocks, threads, stream, devs, tensors):
@@ -127,21 +120,12 @@ class _Plan:
         first such call warns)."""
         try:
             function, params, slots = numba_internals.flatten(kernel, devs, stream, tensors)
-            LaunchConfig, Stream = _cuda_core()
+            packed = numba_internals.PackedLaunch(function, params, blocks, threads,
+                                                  _handle(stream))
         except (numba_internals.InternalsChanged, ImportError) as e:
             numba_internals.warn_fallback(str(e))
             return None
-        handle = _handle(stream)
-        core_stream = _CORE_STREAMS.get(handle)
-        if core_stream is None:
-            if len(_CORE_STREAMS) >= MAX_STREAMS:
-                _CORE_STREAMS.clear()
-            core_stream = _CORE_STREAMS[handle] = Stream.from_handle(handle)
-        return cls(function, LaunchConfig(grid=blocks, block=threads, shmem_size=0),
-                   core_stream, params, slots)
+        return cls(packed, slots)
 
     def launch(self, args):
-        params = list(self.params)
-        for slot, i in self.pointer_slots:
-            params[slot] = args[i].data_ptr()
-        numba_internals.launch_flat(self.config, self.stream, self.function, params)
+        self.packed([(slot, args[i].data_ptr()) for slot, i in self.pointer_slots])

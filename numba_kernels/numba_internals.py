@@ -1,6 +1,6 @@
 """Every use of numba-cuda's private internals, behind this one module.
 
-The kernels are public Numba CUDA. Two things need more, and only this module reaches in:
+The kernels are public Numba CUDA. Five things need more, and only this module reaches in:
 
 1. The fast launch (launch.py). For each compiled kernel version (numba.cuda.dispatcher._Kernel)
    it uses
@@ -8,7 +8,11 @@ The kernels are public Numba CUDA. Two things need more, and only this module re
        _Kernel._prepare_args(ty, val, stream, retr, params)  Numba's flattening of an argument
                                                              into the kernel's parameter list
        _Kernel._codelibrary.get_cufunc().kernel              the version's cuda.core Kernel
-   and launches through cuda.core, as Numba itself does (`flatten`, `launch_flat`).
+   (`flatten`), then packs that list once into one buffer, checked against the sizes the
+   kernel's image declares (cuda.core's Kernel.arguments_info), and launches it with the CUDA
+   driver's cuLaunchKernel (cuda.bindings), writing only the data pointers at each launch
+   (`PackedLaunch`). Numba itself launches through cuda.core, converting every parameter
+   (about 150 for the tensor-core forward) at each call.
 2. The disk cache of compiled kernels (compile_cache.py). `cache_on_disk` gives a dispatcher
    numba.cuda.dispatcher.CUDACache (Numba's own, what cuda.jit(cache=True) uses) with two
    changes: its folder (it reads numba.cuda.core.config.CACHE_DIR when it is made) and its
@@ -66,7 +70,8 @@ def _check():
     if SIMULATOR:
         return SIMULATOR_MESSAGE
     try:
-        from cuda.core import LaunchConfig, Stream, launch  # noqa: F401
+        from cuda.bindings import driver  # noqa: F401
+        from cuda.core import Kernel
         from numba.cuda.codegen import CUDACodeLibrary
         from numba.cuda.dispatcher import CUDADispatcher, _Kernel
     except ImportError as e:
@@ -77,6 +82,8 @@ def _check():
     for cls, name in ((CUDACodeLibrary, "get_cufunc"), (CUDADispatcher, "typeof_pyval")):
         if not callable(getattr(cls, name, None)):
             return f"{cls.__name__}.{name} is gone"
+    if not hasattr(Kernel, "arguments_info"):
+        return "cuda.core's Kernel.arguments_info is gone"
     return None
 
 
@@ -247,20 +254,81 @@ _CACHE_WARNED = []
 _BOUND = threading.local()
 
 
-def launch_flat(config, stream, function, params):
-    """cuda.core's launch of `function` with flattened `params`, from any thread: the first
-    launch in a thread makes Numba's context current there (a thread that never touched
-    CUDA through Numba has none, and the driver would refuse the launch)."""
+class PackedLaunch:
+    """One compiled kernel version's launch on one grid and stream, its parameters packed once.
+
+    `params` is flatten's list: Python ints (array fields and pointers, 8 bytes), bools
+    (1 byte) and ctypes scalars. Each gets an 8-byte slot of one buffer, little-endian, and
+    must be as long as the kernel's image says its parameter is (else InternalsChanged);
+    cuLaunchKernel gets the slots' addresses and copies each parameter from there. A launch
+    writes the (slot, value) pairs it is given, then launches, under a lock (the slots are
+    shared by every thread)."""
+
+    def __init__(self, function, params, grid, block, stream_handle):
+        import numpy as np
+        from cuda.bindings import driver
+
+        try:
+            sizes = [int(info[1]) for info in function.arguments_info]
+            handle = function.handle
+        except (AttributeError, TypeError, IndexError) as e:
+            raise InternalsChanged(f"cuda.core's Kernel: {type(e).__name__}: {e}") from e
+        if len(sizes) != len(params):
+            raise InternalsChanged(f"the kernel's image declares {len(sizes)} parameters, "
+                                   f"Numba's flattening gave {len(params)}")
+        self.values = np.zeros(max(1, len(params)), np.uint64)
+        raw = self.values.view(np.uint8)
+        for j, (value, size) in enumerate(zip(params, sizes)):
+            data = _parameter_bytes(value)
+            if len(data) != size:
+                raise InternalsChanged(f"parameter {j} ({value!r}) packs to {len(data)} "
+                                       f"bytes, the kernel's image declares {size}")
+            raw[8 * j:8 * j + size] = np.frombuffer(data, np.uint8)
+        self.addresses = self.values.ctypes.data + 8 * np.arange(len(self.values),
+                                                                 dtype=np.uint64)
+        self._args = (handle, *_dim3(grid), *_dim3(block), 0, driver.CUstream(stream_handle),
+                      int(self.addresses.ctypes.data), 0)
+        self._driver = driver
+        self._lock = threading.Lock()
+
+    def __call__(self, writes):
+        """Write each (slot, value) of `writes` (the data pointers), then launch."""
+        _bind_context()
+        values = self.values
+        with self._lock:
+            for slot, value in writes:
+                values[slot] = value
+            err, = self._driver.cuLaunchKernel(*self._args)
+        if err != self._driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
+
+
+def _parameter_bytes(value):
+    """The bytes cuLaunchKernel copies for one of flatten's parameters."""
+    if isinstance(value, bool):
+        return bytes([value])
+    if isinstance(value, int):
+        return (value % 2 ** 64).to_bytes(8, "little")
+    try:
+        return bytes(memoryview(value).cast("B"))  # a ctypes scalar's own memory
+    except TypeError as e:
+        raise InternalsChanged(f"a flattened parameter of type {type(value).__name__}: "
+                               f"{e}") from e
+
+
+def _dim3(dims):
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    return tuple(int(x) for x in dims) + (1,) * (3 - len(dims))
+
+
+def _bind_context():
+    """The first launch in a thread makes Numba's context current there (a thread that never
+    touched CUDA through Numba has none, and the driver would refuse the launch)."""
     if not getattr(_BOUND, "context", False):
         from numba import cuda
 
         cuda.current_context()
         _BOUND.context = True
-    from cuda.core import launch
-
-    launch(stream, config, function, *params)
-
-
 
 
 @contextmanager

@@ -1,12 +1,14 @@
 """numba_kernels/launch.py and numba_internals.py: the cached launch plan of torch calls, on
 the CPU.
 
-The real path needs a GPU (scripts/dev/gpu_check.py runs every battery case through it). Here Numba's
-dispatcher, its compiled kernel and cuda.core's launch are stand-ins with the same interface,
-so the plan's bookkeeping is tested: the first call of a layout goes through Numba and builds
+The real path needs a GPU (scripts/dev/gpu_check.py runs every battery case through it). Here
+Numba's dispatcher, its compiled kernel and the driver's launch are stand-ins with the same
+interface, so the plan's bookkeeping is tested: the first call of a layout goes through Numba and builds
 a plan; later calls launch with their own tensors' pointers; another layout gets another plan;
 where the internals are missing every call goes through Numba, with one warning. The
-flattening itself is tested against numba-cuda's real _Kernel._prepare_args and device arrays.
+flattening itself is tested against numba-cuda's real _Kernel._prepare_args and device arrays,
+and the packing of the flattened parameters (a real PackedLaunch, the driver call stood in
+for) against the sizes a kernel's image declares.
 """
 import ctypes
 import os
@@ -84,21 +86,35 @@ class Dispatcher:
         return run
 
 
+class FakePacked:
+    """numba_internals.PackedLaunch without a GPU: a launch appends (stream, function, config,
+    the parameters with the writes applied) to `launched`."""
+
+    launched = None
+
+    def __init__(self, function, params, grid, block, stream_handle):
+        self.function, self.params = function, list(params)
+        self.config, self.stream = dict(grid=grid, block=block), stream_handle
+
+    def __call__(self, writes):
+        params = list(self.params)
+        for slot, value in writes:
+            params[slot] = value
+        self.launched.append((self.stream, self.function, self.config, params))
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """launch.py outside the simulator, with cuda.as_cuda_array and cuda.core stood in for;
-    returns the list of fast launches (stream, function, config, parameters)."""
+    """launch.py outside the simulator, with cuda.as_cuda_array and the packed launch stood
+    in for; returns the list of fast launches (stream, function, config, parameters)."""
     fast = []
     monkeypatch.setattr(launch, "SIMULATOR", False)
     monkeypatch.setattr(launch, "_PLANS", {})
-    monkeypatch.setattr(launch, "_CORE_STREAMS", {})
     monkeypatch.setattr(launch.cuda, "as_cuda_array", DeviceArray, raising=False)
     monkeypatch.setattr(numba_internals, "PROBLEM", None)
     monkeypatch.setattr(numba_internals, "_WARNED", [])
-    monkeypatch.setattr(launch, "_cuda_core", lambda: (
-        lambda **kw: kw, SimpleNamespace(from_handle=lambda handle: ("stream", handle))))
-    monkeypatch.setattr(numba_internals, "launch_flat", lambda config, stream, fn, params:
-                        fast.append((stream, fn, config, list(params))))
+    monkeypatch.setattr(FakePacked, "launched", fast)
+    monkeypatch.setattr(numba_internals, "PackedLaunch", FakePacked)
     return fast
 
 
@@ -112,8 +128,8 @@ def test_later_calls_launch_with_their_own_pointers(fake_gpu):
     launch.launch(kernel, "k", 8, 64, STREAM, Tensor(300), Tensor(400), 5)
     assert len(kernel.numba_calls) == 1
     (stream, fn, config, params), = fake_gpu
-    assert stream == ("stream", 1234) and fn == "fn"
-    assert config == dict(grid=8, block=64, shmem_size=0)
+    assert stream == 1234 and fn == "fn"
+    assert config == dict(grid=8, block=64)
     # two arrays of 2-D shape (2, 3): 9 words each, their data pointers at 4 and 13
     assert params[4] == 300 and params[13] == 400 and params[5:9] == [2, 3, 12, 4]
     assert params[18].value == 5
@@ -202,19 +218,60 @@ def real_flattening(strides):
     assert params[19].value == 0.5
 
 
+def packed_launch(params, sizes, grid=(4, 2), block=128, stream=1234):
+    """A real PackedLaunch over a stand-in kernel (its handle and declared parameter sizes)
+    whose driver call appends its arguments to the returned list instead of launching."""
+    pytest.importorskip("cuda.bindings", reason="needs numba-cuda's CUDA bindings (ptx extra)")
+    function = SimpleNamespace(handle="fn", arguments_info=[(0, size) for size in sizes])
+    packed = numba_internals.PackedLaunch(function, params, grid, block, stream)
+    calls = []
+    packed._driver = SimpleNamespace(cuLaunchKernel=lambda *a: calls.append(a) or (0,),
+                                     CUresult=SimpleNamespace(CUDA_SUCCESS=0))
+    return packed, calls
+
+
+def test_a_packed_launch_gives_the_driver_each_parameter_as_declared(monkeypatch):
+    import struct
+
+    monkeypatch.setattr(numba_internals, "_BOUND", SimpleNamespace(context=True))
+    params = [0x7F0000001000, -8, ctypes.c_int32(-3), ctypes.c_float(0.5), True,
+              ctypes.c_uint16(7)]
+    packed, calls = packed_launch(params, [8, 8, 4, 4, 1, 2])
+    packed([(0, 0x7F0000002000)])
+    packed([(0, 0x7F0000003000)])
+    (fn, *dims, shared, stream, addresses, extra), = calls[:1]
+    assert fn == "fn" and dims == [4, 2, 1, 128, 1, 1] and shared == 0 and extra == 0
+    assert int(stream) == 1234
+    pointers = (ctypes.c_uint64 * len(params)).from_address(addresses)
+
+    def read(j, fmt):
+        return struct.unpack_from(fmt, ctypes.string_at(pointers[j], struct.calcsize(fmt)))[0]
+
+    assert read(0, "<Q") == 0x7F0000003000  # the last launch's write
+    assert (read(1, "<q"), read(2, "<i"), read(3, "<f"), read(4, "<?"), read(5, "<H")) == \
+        (-8, -3, 0.5, True, 7)
+
+
+@pytest.mark.parametrize("sizes", [[8, 8], [8, 4, 4], [8, 8, 8]])
+def test_a_packed_launch_refuses_parameters_the_image_does_not_declare(sizes):
+    """Two parameters (an int and a c_int32) against images declaring other counts or
+    sizes: the internals changed, and the launch must not guess."""
+    with pytest.raises(numba_internals.InternalsChanged, match="declares"):
+        packed_launch([5, ctypes.c_int32(1)], sizes)
+
+
 def test_each_thread_binds_numbas_context_before_its_first_fast_launch(monkeypatch):
     """A thread that never touched CUDA through Numba has no current context; the driver
     refuses a launch there (seen on the H200: CUDA_ERROR_INVALID_CONTEXT)."""
-    core = pytest.importorskip("cuda.core")
-    bound, launched = [], []
+    bound = []
     monkeypatch.setattr(numba_internals, "_BOUND", threading.local())
     monkeypatch.setattr(launch.cuda, "current_context",
                         lambda: bound.append(threading.get_ident()), raising=False)
-    monkeypatch.setattr(core, "launch", lambda stream, config, fn, *p: launched.append(p))
+    packed, launched = packed_launch([5], [8])
 
     def two_launches():
         for _ in range(2):
-            numba_internals.launch_flat("config", "stream", "fn", [1, 2])
+            packed([])
 
     two_launches()
     thread = threading.Thread(target=two_launches)

@@ -1,0 +1,101 @@
+"""Where a whole forward call's time goes beyond its main kernel, on a GPU with torch tensors.
+
+    python scripts/dev/call_timeline.py [--dtype bfloat16] [--n 4096] [--d 64,128]
+        [--packages numba_kernels,_ab_mma_old]
+
+For each (B, 16, N, N, D) shape, full and causal, and each package (an older copy of
+numba_kernels beside the working tree's, as ab_mma.py takes it), in milliseconds (medians):
+- call: CUDA events around one call after a synchronize (benchmarks/attention_speed.py's
+  figure: the GPU waits for the call's host work);
+- calls: ten calls back to back between two events, divided by ten (the host work hides
+  behind the GPU's where it is shorter);
+- host: host time of one call after a synchronize;
+- alone: the main kernel launched ten times back to back, divided by ten; once: one launch
+  of it after a synchronize, between events;
+- launch: host time of the main kernel's launch (the api's `launch`).
+"""
+import argparse
+import importlib
+import os
+import sys
+import time
+from functools import partial
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from benchmarks.attention_speed import time_ms  # noqa: E402
+
+
+def main_launch(api, q, k, v, causal):
+    """The main kernel's launch of one call (a KernelSpec's or an MmaSpec's), as a function
+    that repeats it. The call takes the whole path (replay.py's records are dropped first)."""
+    seen, real = [], api.launch
+    if hasattr(api, "replay"):
+        api.replay._CALLS.clear()
+    api.launch = lambda *args: seen.append(args) or real(*args)
+    try:
+        api.flash_attention(q, k, v, causal=causal)
+    finally:
+        api.launch = real
+    torch.cuda.synchronize()
+    return partial(real, *[a for a in seen if type(a[1]).__name__ in ("KernelSpec", "MmaSpec")][0])
+
+
+def events_ms(fn, reps, repeats=7):
+    """Median over `repeats` of the ms between events around `reps` calls of fn, over reps."""
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / reps)
+    return float(np.median(out))
+
+
+def host_ms(fn, reps=30):
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e3 * float(np.median(times))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--n", default="4096")
+    parser.add_argument("--d", default="64,128")
+    parser.add_argument("--packages", default="numba_kernels")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    apis = [(name, importlib.import_module(f"{name}.api")) for name in args.packages.split(",")]
+    print(f"{'shape':30s} {'package':14s} {'call':>6s} {'calls':>6s} {'host':>6s} "
+          f"{'alone':>6s} {'once':>6s} {'launch':>6s}")
+    for d in map(int, args.d.split(",")):
+        for n in map(int, args.n.split(",")):
+            q, k, v = (torch.randn(256 // d, 16, n, d, device="cuda", dtype=dtype)
+                       for _ in range(3))
+            for causal in (False, "top_left"):
+                for name, api in apis * 2:
+                    call = partial(api.flash_attention, q, k, v, causal=causal)
+                    ms = time_ms(call)[0]
+                    calls, host = events_ms(call, 10), host_ms(call)
+                    relaunch = main_launch(api, q, k, v, causal)
+                    alone, once = events_ms(relaunch, 10), events_ms(relaunch, 1, 21)
+                    launch = host_ms(relaunch)
+                    shape = str((256 // d, 16, n, d, causal))
+                    print(f"{shape:30s} {name:14s} {ms:6.3f} {calls:6.3f} {host:6.3f} "
+                          f"{alone:6.3f} {once:6.3f} {launch:6.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
