@@ -282,6 +282,48 @@ def grid_order(causal):
     return int64(bh), int64(rank)
 
 
+GROUP_BLOCKS = 1024  # grouped_order: blocks of a group of whole heads, at most
+
+
+def group_size(n_tiles, group_blocks, one):
+    """The bh's of a group in grouped_order: as many whole heads' tiles as group_blocks
+    holds, at least one. group_blocks and one come in n_tiles' type (32-bit in
+    grid_order_grouped: with a literal 1, Numba's typing turns unsigned arithmetic into
+    float64)."""
+    return max(group_blocks // n_tiles, one)
+
+
+def grouped_order(block, n_tiles, n_bh, causal, group):
+    """launch_order with the bh's in groups of `group` (group_size) under a causal band:
+    rank by rank across a group, one group after the other. The longest blocks of each head
+    still start first, and a group's K and V, GROUP_BLOCKS tiles' worth at most (of 64 rows
+    at D = 128: 32 MB), stay in the L2 while it runs, where every head's at once would not
+    (64 heads of 8192 keys at D = 64: 128 MB). The tensor-core forward takes it (PERF.md,
+    m5: 0.93 of launch_order's time there); the backward kept launch_order (its D = 64
+    kernels took 1.14-1.18 times as long with this one, without a band too)."""
+    if causal:
+        start = block // (group * n_tiles) * group  # the group's first bh
+        within = block - start * n_tiles
+        in_group = min(group, n_bh - start)  # the last group may be smaller
+        return start + within % in_group, within // in_group
+    return block // n_tiles, block % n_tiles
+
+
+group_size_device = device_function(group_size)
+grouped_order_device = device_function(grouped_order)
+
+
+@device_function
+def grid_order_grouped(causal):
+    """grid_order in grouped_order, in the same 32-bit arithmetic."""
+    n_tiles = uint32(cuda.gridDim.x)
+    group = group_size_device(n_tiles, uint32(GROUP_BLOCKS), uint32(1))
+    bh, rank = grouped_order_device(uint32(cuda.blockIdx.y) * n_tiles
+                                    + uint32(cuda.blockIdx.x), n_tiles,
+                                    uint32(cuda.gridDim.y), causal, group)
+    return int64(bh), int64(rank)
+
+
 @device_function
 def block_program(n_tiles, right, batch, heads_q):
     """(split, b, h, tile) of this thread block of a 1-D grid over (split, batch, head, query

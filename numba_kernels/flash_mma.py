@@ -3,8 +3,8 @@ reference/tiled.py with the products S = Q K^T and P V done by mma.sync (warp.py
 accumulation throughout.
 
     grid:    (query tiles of BLOCK_M = 64 rows, the last first; B * Hq; key splits (split-KV; 1
-             without)); under a causal band the blocks run tile by tile across every head
-             (flash_fwd.launch_order)
+             without)); under a causal band the blocks run tile by tile across each group of
+             heads (flash_fwd.grouped_order)
     block:   4 warps; warp w owns rows start_m + 16 w .. + 15 of the tile. In every fragment
              lane = 4 g + t holds rows g and g + 8 of its warp's 16 (warp.py draws the layouts).
     shared:  16-bit tiles, rows padded by 8 values (16 bytes) so that the 8 row addresses of an
@@ -39,7 +39,7 @@ from numba import cuda
 from . import warp
 from .convert import CONVERTERS, float32, int64, uint32
 from .flash_fwd import (F_LN2, NEG_INF, NO_PART, ZERO, ARGS, FASTMATH, check_parameters,
-                        grid_order, kernel_part, key_range_device, key_tiles,
+                        grid_order_grouped, kernel_part, key_range_device, key_tiles,
                         make_masked_score, takes_part)
 from .compile_cache import jit
 
@@ -437,8 +437,8 @@ def kernel_source(spec):
         tid = cuda.threadIdx.x
         w, lane = tid // 32, tid % 32
         # The last query tile first (rank 0): under a causal band it walks the most keys;
-        # then rank by rank across every head (flash_fwd.launch_order).
-        bh, rank = grid_order(right >= 0)
+        # then rank by rank across a group of heads (flash_fwd.grouped_order).
+        bh, rank = grid_order_grouped(right >= 0)
         b, h = bh // heads_q, bh % heads_q
         hk = h // group  # grouped-query attention: query head h reads key head h // group
         heads_k, n_k = k.shape[1], k.shape[2]
