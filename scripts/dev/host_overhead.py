@@ -24,14 +24,13 @@ import io
 import os
 import pstats
 import sys
-import time
 from functools import partial
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from benchmarks.attention_speed import time_ms  # noqa: E402
+from scripts.dev.call_timeline import events_ms, host_ms, main_launch  # noqa: E402
 from numba_kernels import api  # noqa: E402
 
 try:
@@ -42,51 +41,6 @@ except ImportError:
 SHAPES = [(2, 16, 1024, 1024, 128, False), (4, 16, 1024, 1024, 64, False),
           (2, 16, 2048, 2048, 128, False), (2, 16, 1024, 1024, 128, "bottom_right"),
           (8, 8, 1, 4096, 128, False)]  # (B, H, Nq, Nk, D, causal)
-
-
-def captured_launch(module, q, k, v, causal):
-    """A function that repeats the main kernel launch of one call, as the api made it (not
-    a pre-pass or a merge: the launch of a KernelSpec or an MmaSpec)."""
-    seen = []
-    real = module.launch
-
-    def spy(*args):
-        seen.append(args)
-        real(*args)
-
-    module.launch = spy
-    try:
-        module.flash_attention(q, k, v, causal=causal)
-    finally:
-        module.launch = real
-    torch.cuda.synchronize()
-    main = [args for args in seen if type(args[1]).__name__ in ("KernelSpec", "MmaSpec")]
-    return partial(real, *main[0])
-
-
-def kernel_ms(relaunch, reps=10):
-    best = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        for _ in range(reps):
-            relaunch()
-        b.record()
-        b.synchronize()
-        best.append(a.elapsed_time(b) / reps)
-    return float(np.median(best))
-
-
-def launch_ms(relaunch):
-    times = []
-    for _ in range(20):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        relaunch()
-        times.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    return 1e3 * float(np.median(times))
 
 
 def main():
@@ -109,9 +63,9 @@ def main():
         k, v = (torch.randn(B, H, n_k, d, device="cuda", dtype=dtype) for _ in range(2))
         for name, module in modules * 2:
             call = time_ms(partial(module.flash_attention, q, k, v, causal=causal))[0]
-            relaunch = captured_launch(module, q, k, v, causal)
-            kern = kernel_ms(relaunch)
-            host = launch_ms(relaunch)
+            relaunch = main_launch(module, q, k, v, causal)
+            kern = events_ms(relaunch, 10, 5)
+            host = host_ms(relaunch, 20)
             shape = str((B, H, n_q, n_k, d, causal))
             print(f"{shape:36s} {name:4s} {call:7.3f} {kern:7.3f} {host:7.3f}", flush=True)
     q, k, v = (torch.randn(2, 16, 1024, 128, device="cuda", dtype=dtype) for _ in range(3))
