@@ -3,12 +3,12 @@ the CPU.
 
 The real path needs a GPU (scripts/dev/gpu_check.py runs every battery case through it). Here
 Numba's dispatcher, its compiled kernel and the driver's launch are stand-ins with the same
-interface, so the plan's bookkeeping is tested: the first call of a layout goes through Numba and builds
-a plan; later calls launch with their own tensors' pointers; another layout gets another plan;
-where the internals are missing every call goes through Numba, with one warning. The
-flattening itself is tested against numba-cuda's real _Kernel._prepare_args and device arrays,
-and the packing of the flattened parameters (a real PackedLaunch, the driver call stood in
-for) against the sizes a kernel's image declares.
+interface, so the plan's bookkeeping is tested: the first call of a layout goes through Numba
+and builds a plan; later calls launch with their own tensors' pointers; another layout gets
+another plan; where the internals are missing every call goes through Numba, with one
+warning. The flattening itself is tested against numba-cuda's real _Kernel._prepare_args and
+device arrays, and the packing of the flattened parameters (a real PackedLaunch, the driver
+call stood in for) against the sizes a kernel's image declares.
 """
 import ctypes
 import os
