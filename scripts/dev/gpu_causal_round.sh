@@ -5,18 +5,12 @@
 # (2) the benchmark beside PyTorch's flash and cuDNN backends (16-bit dtypes, the same N);
 # (3) pytest conformance --impl numba-mma (gpu profile). Logs land in $OUT.
 set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/steps.sh"  # OUT (default out), made; unbuffered Python
 start=$(date +%s)
 timeout 150 python3 -W ignore scripts/dev/host_overhead.py --out "$OUT" --dtype bfloat16 \
   --n 4096,8192 --d 64,128 > "$OUT/host_overhead.log" 2>&1
 echo "host_overhead rc=$? in $(( $(date +%s) - start )) s"; grep -v "Warn\|^ \|^---\|ncalls" "$OUT/host_overhead.log" | head -20
-start=$(date +%s)
-timeout 200 python3 -W ignore benchmarks/attention_speed.py --out "$OUT" --n 4096,8192 \
-  --dtypes float16,bfloat16 --impls numba-mma,flash,cudnn --budget-s ${BENCH_BUDGET:-120} \
-  > "$OUT/attention_speed.log" 2>&1
-echo "attention_speed rc=$? in $(( $(date +%s) - start )) s"; grep -v Warn "$OUT/attention_speed.log" | tail -30
+forward_benchmark
 start=$(date +%s)
 timeout -s INT -k 20 ${CONFORMANCE_TIMEOUT:-220} python3 -m pytest -p conformance.plugin conformance --impl numba-mma \
   -p no:cacheprovider -W ignore -rfs -q > "$OUT/conformance-numba-mma.log" 2>&1

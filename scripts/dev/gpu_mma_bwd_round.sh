@@ -12,9 +12,7 @@
 #                ncu profile of the two kernels.
 # Everything lands in $OUT.
 set -u
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/steps.sh"  # OUT (default out), made; unbuffered Python
 for PART in ${PART:-verify}; do
 if [[ "$PART" == ab ]]; then
   for mode in "" --backward; do
@@ -23,16 +21,7 @@ if [[ "$PART" == ab ]]; then
     echo "ab_mma $mode rc=$? in $(( $(date +%s) - start )) s"; grep -v Warn "$OUT/ab_mma$mode.log"
   done
 elif [[ "$PART" == ab-verify ]]; then
-  start=$(date +%s)
-  for run in "numba-mma" "numba-mma --backward" "numba"; do
-    name=$(echo $run | tr -d ' -')
-    (timeout 200 python3 -W ignore -m verify $run --suite standard --timeout 60 \
-       --json "$OUT/verify-$name.json" > "$OUT/verify-$name.log" 2>&1
-     echo "rc=$?" >> "$OUT/verify-$name.log") &
-  done
-  wait
-  echo "verify numba-mma forward and backward, numba forward, side by side: $(( $(date +%s) - start )) s"
-  grep -h "FAIL\|PASS\|rc=" "$OUT"/verify-*.log | tail -16
+  verify_side_by_side "numba-mma" "numba-mma --backward" "numba"
 elif [[ "$PART" == verify ]]; then
   start=$(date +%s)
   timeout 240 python3 -W ignore -m verify numba-mma --suite standard --backward --timeout 60 \
