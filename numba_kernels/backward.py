@@ -91,12 +91,13 @@ def _tuned(pb, io, named, grads, width, has_mask):
                                       ("dq", pb.n_q, pb.heads_q, DQ_ARGS, ("dq",))):
         w = bwd_width(pb.d, pb.dv)
         spec = BwdSpec(part, w, w, pb.dtype, has_mask)
-        block_m, block_n, threads_m, threads_n = spec.tiles
+        block_m, block_n = spec.tiles[:2]
         rows = block_n if part == "dkdv" else block_m
         if pb.batch * heads * n:
             launch(tuned_bwd_kernel(spec), spec, (-(-n // rows), pb.batch * heads),
-                   threads_m * threads_n, io.stream,
-                   *_ordered(args, dict(named, **{g: grads[g] for g in out})))
+                   spec.threads, io.stream,
+                   *_ordered(args, dict(named, **{g: grads[g] for g in out})),
+                   shared=spec.dynamic_shared_bytes)
 
 
 def _mma(pb, io, named, grads, width, has_mask):

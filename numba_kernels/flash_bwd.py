@@ -27,7 +27,9 @@ THREADS_N, TDV = DV / THREADS_N) in dK and dV. In dq, ty walks rows (TQ = BLOCK_
 THREADS_M) and tx keys (TK = BLOCK_N / THREADS_N), and columns of dQ (TD = D / THREADS_N).
 
 Shared memory, one float32 array `words`, every tile row-major with widths of a multiple of
-4 plus 4 (16-byte aligned rows for the 128-bit loads, rows in different banks):
+4 plus 4 (16-byte aligned rows for the 128-bit loads, rows in different banks); tiles over
+48 KB (the shipped ones, TILES) take dynamic shared memory, `words` then as long as the
+launch makes it (BwdSpec.dynamic_shared_bytes):
     dkdv: K (BLOCK_N, D + 4), V (BLOCK_N, DV + 4), Q (BLOCK_M, D + 4), dO (BLOCK_M, DV + 4),
           P^T and dS^T (BLOCK_N, BLOCK_M + 4), lse (log2 units) and delta (BLOCK_M)
     dq:   Q (BLOCK_M, D + 4), dO (BLOCK_M, DV + 4), K (BLOCK_N, D + 4), V (BLOCK_N, DV + 4),
@@ -41,7 +43,8 @@ from dataclasses import dataclass
 from numba import cuda
 
 from .convert import float32, int64, uint64, CONVERTERS
-from .flash_fwd import (STATIC_SHARED_LIMIT, VEC, check_parameters, key_range_device,
+from .flash_fwd import (DYNAMIC_SHARED_LIMIT, STATIC_SHARED_LIMIT, VEC, check_parameters,
+                        key_range_device,
                         NO_PART, kernel_part, make_masked_score, make_pv, make_scores,
                         takes_part, tile_loader)
 from .plain_bwd import DKDV_ARGS, DQ_ARGS
@@ -49,11 +52,16 @@ from .plain_bwd import DKDV_ARGS, DQ_ARGS
 NEG_INF, ZERO = float32(-math.inf), float32(0.0)
 LOG2E = float32(1.4426950408889634)
 
-# padded width -> (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N): the largest square tiles whose
-# shared tiles fit 48 KB in both kernels, 64 threads. Head dims are zero-padded to one of
-# these three widths (as for plain_bwd.py): fewer variants to compile, FLOPs spent on zeros
-# for the others.
-TILES = {64: (32, 32, 8, 8), 128: (16, 16, 8, 8), 256: (8, 8, 8, 8)}
+# padded width -> part -> (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N), read when a call makes
+# its BwdSpec. Head dims are zero-padded to one of these three widths (as for plain_bwd.py):
+# fewer variants to compile, FLOPs spent on zeros for the others. Each kernel keeps 64 rows
+# (dq) or keys (dkdv) resident and walks the other side 64 (32 at width 256) at a time, with
+# 4 x 4 register micro-tiles (4 x 8 at width 64); the tiles take 105-218 KB of dynamic shared
+# memory, one or two blocks an SM (scripts/dev/backward_tiles.py measured these against the
+# 16 x 16 tiles that fit 48 KB of static shared memory: PERF.md).
+TILES = {64: dict(dkdv=(64, 64, 8, 16), dq=(64, 64, 8, 16)),
+         128: dict(dkdv=(64, 64, 16, 16), dq=(64, 64, 16, 16)),
+         256: dict(dkdv=(32, 64, 16, 16), dq=(64, 32, 16, 16))}
 
 
 def bwd_width(d, dv):
@@ -70,10 +78,25 @@ class BwdSpec:
     dv: int
     dtype: str
     has_mask: bool
+    tiles: tuple = None  # (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N); None: TILES' for d, dv
+
+    def __post_init__(self):
+        if self.tiles is None:
+            object.__setattr__(self, "tiles", TILES[bwd_width(self.d, self.dv)][self.part])
 
     @property
-    def tiles(self):
-        return TILES[next(w for w in TILES if w >= max(self.d, self.dv))]
+    def threads(self):
+        return self.tiles[2] * self.tiles[3]
+
+    @property
+    def shared_bytes(self):
+        return 4 * self.offsets[-1]
+
+    @property
+    def dynamic_shared_bytes(self):
+        """Bytes of dynamic shared memory a launch passes: 0 where the tiles fit the static
+        48 KB (the kernel's shared array then has a fixed size)."""
+        return self.shared_bytes if self.shared_bytes > STATIC_SHARED_LIMIT else 0
 
     @property
     def widths(self):
@@ -98,7 +121,7 @@ class BwdSpec:
         block_m, block_n, threads_m, threads_n = self.tiles
         threads = threads_m * threads_n
         rows_a, rows_b = (block_n, block_m) if self.part == "dkdv" else (block_m, block_n)
-        ok = (4 * self.offsets[-1] <= STATIC_SHARED_LIMIT and rows_a % threads_m == 0
+        ok = (self.shared_bytes <= DYNAMIC_SHARED_LIMIT and rows_a % threads_m == 0
               and rows_b % threads_n == 0 and self.d % threads_n == 0
               and self.dv % threads_n == 0 and all(a % VEC == 0 for a in self.offsets)
               and all(n * w % threads == 0 for n in (block_m, block_n)
@@ -115,7 +138,8 @@ def _z(spec):
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, THREADS_M=threads_m, THREADS_N=threads_n,
                 THREADS=threads_m * threads_n, D=spec.d, DV=spec.dv, WIDTHS=spec.widths,
                 OFFSETS=tuple(uint64(a) for a in spec.offsets), HAS_MASK=spec.has_mask,
-                SHARED_WORDS=spec.offsets[-1])
+                # the shared array's length; 0: dynamic, as long as the launch makes it
+                SHARED_WORDS=0 if spec.dynamic_shared_bytes else spec.offsets[-1])
 
 
 def scores_sizes(z, tm, tn, a_at, a_w, b_at, b_w):

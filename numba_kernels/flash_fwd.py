@@ -61,6 +61,7 @@ LN2 = 0.6931471805599453
 # scores and NaN must propagate, so the compiler may not assume them away.
 FASTMATH = {"contract", "afn", "arcp"}
 STATIC_SHARED_LIMIT = 48 * 1024  # bytes; above it numba-cuda needs dynamic shared memory
+DYNAMIC_SHARED_LIMIT = 227 * 1024  # bytes a block may opt in to on sm_80 / sm_90 (launch.py)
 VEC = 4  # float32 words a 128-bit shared load takes (convert.load4)
 
 key_range_device = device_function(key_range)  # the contract's own code

@@ -25,6 +25,7 @@ from numba import cuda
 from . import numba_internals, replay
 from .compile_cache import compiling
 from .convert import SIMULATOR
+from .flash_fwd import STATIC_SHARED_LIMIT
 
 # What compiling, or loading from the disk cache (compile_cache.py), took in this process:
 # KernelSpec (or merge dtype) -> seconds.
@@ -42,16 +43,17 @@ def compile_times():
     return dict(COMPILE_SECONDS)
 
 
-def launch(kernel, key, blocks, threads, stream, *args):
-    """kernel[blocks, threads, stream](*args), where array arguments may also be torch CUDA
-    tensors. When the launch compiled a new version of the kernel, the seconds it took are
-    added to COMPILE_SECONDS[key]."""
+def launch(kernel, key, blocks, threads, stream, *args, shared=0):
+    """kernel[blocks, threads, stream, shared](*args), where array arguments may also be torch
+    CUDA tensors and `shared` is the bytes of dynamic shared memory (above 48 KB the kernel
+    is let take them first: numba_internals.allow_dynamic_shared). When the launch compiled
+    a new version of the kernel, the seconds it took are added to COMPILE_SECONDS[key]."""
     tensors = [i for i, a in enumerate(args) if hasattr(a, "data_ptr")]
     if SIMULATOR or not tensors:
-        _numba_launch(kernel, key, blocks, threads, stream, args)
+        _numba_launch(kernel, key, blocks, threads, stream, shared, args)
         replay.launched(None, args)
         return
-    layout = (kernel, blocks, threads, _handle(stream)) + tuple(
+    layout = (kernel, blocks, threads, _handle(stream), shared) + tuple(
         (a.dtype, a.shape, a.stride(), a.get_device()) if i in tensors else (type(a), a)
         for i, a in enumerate(args))
     plan = _PLANS.get(layout, False)
@@ -61,19 +63,22 @@ def launch(kernel, key, blocks, threads, stream, *args):
         replay.launched(plan, args)
         return
     devs = tuple(cuda.as_cuda_array(a) if i in tensors else a for i, a in enumerate(args))
-    _numba_launch(kernel, key, blocks, threads, stream, devs)
+    _numba_launch(kernel, key, blocks, threads, stream, shared, devs)
     if plan is False:  # the first call of this layout (None: it cannot take the fast path)
         if len(_PLANS) >= MAX_PLANS:  # many shapes (varying sequence lengths): start over
             _PLANS.clear()
-        plan = _PLANS[layout] = _Plan.build(kernel, blocks, threads, stream, devs, tensors)
+        plan = _PLANS[layout] = _Plan.build(kernel, blocks, threads, stream, shared, devs,
+                                            tensors)
     replay.launched(plan, args)
 
 
-def _numba_launch(kernel, key, blocks, threads, stream, args):
+def _numba_launch(kernel, key, blocks, threads, stream, shared, args):
     versions = len(getattr(kernel, "overloads", ()))  # the simulator compiles nothing
     t0 = time.perf_counter()
     with compiling(kernel), _switching():  # compiling: the only process compiling the variant
-        kernel[blocks, threads, stream](*args)
+        if shared > STATIC_SHARED_LIMIT and not SIMULATOR:
+            numba_internals.allow_dynamic_shared(kernel, args, shared)  # compiles it first
+        kernel[blocks, threads, stream, shared](*args)
     if len(getattr(kernel, "overloads", ())) > versions:
         COMPILE_SECONDS[key] = COMPILE_SECONDS.get(key, 0.0) + time.perf_counter() - t0
 
@@ -114,14 +119,14 @@ class _Plan:
         self.packed, self.pointer_slots = packed, pointer_slots
 
     @classmethod
-    def build(cls, kernel, blocks, threads, stream, devs, tensors):
+    def build(cls, kernel, blocks, threads, stream, shared, devs, tensors):
         """The plan for the launch just made with `devs`, or None where numba-cuda's internals
         are not as numba_internals expects (then every call takes Numba's launch, and the
         first such call warns)."""
         try:
             function, params, slots = numba_internals.flatten(kernel, devs, stream, tensors)
             packed = numba_internals.PackedLaunch(function, params, blocks, threads,
-                                                  _handle(stream))
+                                                  _handle(stream), shared)
         except (numba_internals.InternalsChanged, ImportError) as e:
             numba_internals.warn_fallback(str(e))
             return None

@@ -12,7 +12,11 @@ The kernels are public Numba CUDA. Five things need more, and only this module r
    kernel's image declares (cuda.core's Kernel.arguments_info), and launches it with the CUDA
    driver's cuLaunchKernel (cuda.bindings), writing only the data pointers at each launch
    (`PackedLaunch`). Numba itself launches through cuda.core, converting every parameter
-   (about 150 for the tensor-core forward) at each call.
+   (about 150 for the tensor-core forward) at each call. A kernel taking more than 48 KB of
+   dynamic shared memory must first be let take it (the function attribute
+   MAX_DYNAMIC_SHARED_SIZE_BYTES), which Numba never sets: `allow_dynamic_shared` compiles
+   the version (kernel.compile, which reads the disk cache as a launch would) and sets it
+   through cuda.bindings on the cuda.core Kernel's handle.
 2. The disk cache of compiled kernels (compile_cache.py). `cache_on_disk` gives a dispatcher
    numba.cuda.dispatcher.CUDACache (Numba's own, what cuda.jit(cache=True) uses) with two
    changes: its folder (it reads numba.cuda.core.config.CACHE_DIR when it is made) and its
@@ -27,7 +31,10 @@ The kernels are public Numba CUDA. Five things need more, and only this module r
    with no lock. A thread switch between the two gives two threads two different "shared"
    arrays, and the block then computes wrong rows (seen once in a full test run: 95 of 1024
    outputs wrong, right on the repeat). `_lock_simulator_shared_arrays` (at import, in the
-   simulator) puts the lookup and the store under one lock.
+   simulator) puts the lookup and the store under one lock. It also gives a dynamic shared
+   array (shape 0) of a NumPy scalar type, np.float32 (what convert.float32 is in the
+   simulator), as np.dtype: the simulator divides its size by dtype.itemsize, which only a
+   dtype has.
 5. Poisoned memory in the simulator (tests). The simulator makes shared and local arrays with
    numba.cuda.simulator.kernelapi's `np.empty`, whatever memory held before; `poisoned_memory()`
    fills them with NaN (integers: -12345) instead, so that a kernel reading an element it
@@ -141,6 +148,8 @@ def _lock_simulator_shared_arrays():
 
     def locked_array(self, shape, dtype, alignment=None):
         if shape == 0 or alignment is not None:  # dynamic shared memory, or the error
+            if isinstance(dtype, type) and issubclass(dtype, kernelapi.np.generic):
+                dtype = kernelapi.np.dtype(dtype)  # it divides by dtype.itemsize
             return array(self, shape, dtype, alignment)
         # The same key as the original: the calling line (file, line number).
         caller = tuple(traceback.extract_stack(sys._getframe(1), limit=1)[0])[0:2]
@@ -201,6 +210,31 @@ def flatten(kernel, devs, stream, arrays):
         return compiled._codelibrary.get_cufunc().kernel, params, slots
     except (AttributeError, KeyError, TypeError) as e:
         raise InternalsChanged(f"{type(e).__name__}: {e}") from e
+
+
+def allow_dynamic_shared(kernel, args, nbytes):
+    """Let the version of dispatcher `kernel` for `args` take `nbytes` of dynamic shared
+    memory (above 48 KB a launch without this fails), compiling it first if it is new.
+    Raises InternalsChanged where the internals differ, RuntimeError where the driver
+    refuses (more than the device offers a block)."""
+    from cuda.bindings import driver
+
+    try:
+        compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+        handle = compiled._codelibrary.get_cufunc().kernel.handle
+    except (AttributeError, KeyError, TypeError) as e:
+        raise InternalsChanged(f"{type(e).__name__}: {e}") from e
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if isinstance(handle, driver.CUkernel):  # cuda.core loads kernels from a library
+        from numba import cuda
+
+        err, = driver.cuKernelSetAttribute(attribute, int(nbytes), handle,
+                                           cuda.get_current_device().id)
+    else:
+        err, = driver.cuFuncSetAttribute(handle, attribute, int(nbytes))
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"the kernel cannot take {nbytes} bytes of dynamic shared memory "
+                           f"on this device: {err!r}")
 
 
 def _data_slot(params, start, array):
@@ -264,7 +298,7 @@ class PackedLaunch:
     writes the (slot, value) pairs it is given, then launches, under a lock (the slots are
     shared by every thread)."""
 
-    def __init__(self, function, params, grid, block, stream_handle):
+    def __init__(self, function, params, grid, block, stream_handle, shared=0):
         import numpy as np
         from cuda.bindings import driver
 
@@ -286,7 +320,8 @@ class PackedLaunch:
             raw[8 * j:8 * j + size] = np.frombuffer(data, np.uint8)
         self.addresses = self.values.ctypes.data + 8 * np.arange(len(self.values),
                                                                  dtype=np.uint64)
-        self._args = (handle, *_dim3(grid), *_dim3(block), 0, driver.CUstream(stream_handle),
+        self._args = (handle, *_dim3(grid), *_dim3(block), int(shared),
+                      driver.CUstream(stream_handle),
                       int(self.addresses.ctypes.data), 0)
         self._driver = driver
         self._lock = threading.Lock()
@@ -350,8 +385,8 @@ def compiling_for(cc):
 @contextmanager
 def poisoned_memory():
     """Inside this block, the simulator's new shared and local arrays start as NaN (integer
-    arrays -12345; unsigned, their largest value). Simulator only; not thread-safe against
-    other simulated launches."""
+    arrays -12345; unsigned, their largest value; dynamic shared memory: every bit set).
+    Simulator only; not thread-safe against other simulated launches."""
     import numpy as np
     from numba.cuda.simulator import kernelapi
 
@@ -369,6 +404,13 @@ def poisoned_memory():
             kind = np.dtype(dtype).kind
             x.fill(np.nan if kind in "fc" else -12345 if kind == "i"
                    else np.iinfo(dtype).max if kind == "u" else 0)
+            return x
+
+        @staticmethod
+        def zeros(shape, dtype=float, *args, **kwargs):  # the dynamic shared bytes
+            x = np.zeros(shape, dtype, *args, **kwargs)
+            if np.dtype(dtype) == np.byte:
+                x.fill(-1)  # all bits set: NaN as float32, -1 as an integer
             return x
 
     kernelapi.np = Poisoning()

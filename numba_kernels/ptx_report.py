@@ -10,7 +10,8 @@ inputs contiguous): numba.cuda.compile_ptx
 for the compute capability, then `ptxas -v`, which reports registers, spills, stack frame and
 shared memory. A variant fails when it spills, needs a stack frame (arrays that fell out of
 registers into local memory; the plain kernels keep a row or a key there by design, so for
-them only the rest counts), uses more static shared memory than 48 KB, or has a float64
+them only the rest counts), uses more static shared memory than 48 KB (or more dynamic
+shared memory, the tuned backward's larger tiles, than the 227 KB a block may take), or has a float64
 instruction in its PTX (a bare Python float turns float32 arithmetic into float64). The CUDA
 simulator cannot show any of this.
 Exit code 0 only when every variant passes.
@@ -143,7 +144,7 @@ def ptxas_figures(ptx, cc=(9, 0), ptxas=None):
 
 def check_variant(args):
     spec, cc, ptxas = args
-    from numba_kernels.flash_fwd import STATIC_SHARED_LIMIT
+    from numba_kernels.flash_fwd import DYNAMIC_SHARED_LIMIT, STATIC_SHARED_LIMIT
     from numba_kernels.numba_internals import compiling_for
     from numba_kernels.specs import compile_ptx
 
@@ -158,7 +159,8 @@ def check_variant(args):
     plain = type(spec).__name__ in ("PlainSpec", "PlainBwdSpec")
     problems = [k for k in ("spill_stores", "spill_loads", "stack_frame", "f64_instructions")
                 if row[k] and not (plain and k != "f64_instructions")]
-    if row["shared"] > STATIC_SHARED_LIMIT:
+    row["dynamic_shared"] = getattr(spec, "dynamic_shared_bytes", 0)
+    if row["shared"] > STATIC_SHARED_LIMIT or row["dynamic_shared"] > DYNAMIC_SHARED_LIMIT:
         problems.append("shared")
     row.update(ok=not problems, problems=problems)
     return row
@@ -212,7 +214,8 @@ def run_gate(specs, cc, ptxas, digest, folder, record, jobs):
             row = dict(record[key], cached=True) if key in record else next(computed)
             rows.append(row)
             status = "ok" if row["ok"] else "FAIL " + ",".join(row.get("problems", ["ptxas"]))
-            figures = row.get("error") or (f"{row['registers']:3d} regs {row['shared']:6d} B smem "
+            figures = row.get("error") or (f"{row['registers']:3d} regs "
+                                           f"{row['shared'] + row.get('dynamic_shared', 0):6d} B smem "
                                            f"stack {row['stack_frame']} spills "
                                            f"{row['spill_stores']}/{row['spill_loads']}")
             print(f"[{i + 1}/{len(specs)}] {row['spec']}: {figures} {status}"

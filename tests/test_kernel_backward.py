@@ -65,3 +65,38 @@ def test_backward_argument_errors():
         flash_attention_backward(q, k, v, out[:, :1], lse, out)
     with pytest.raises(ValueError, match="kernel must be one of"):
         flash_attention_backward(q, k, v, out, lse, out, kernel="fast")
+
+
+@pytest.mark.parametrize("tiles", [(64, 64, 8, 8), (16, 32, 4, 8), (32, 16, 8, 4)])
+def test_tuned_backward_in_dynamic_shared_memory(monkeypatch, tiles):
+    """Tiles beyond the 48 KB of static shared memory (105 KB, 8 x 8 micro-tiles) pass as
+    static ones do (here two of BLOCK_M != BLOCK_N), reading no shared word before it is
+    written: the kernel's shared array is then as long as the launch makes it."""
+    from numba_kernels import flash_bwd
+    from numba_kernels.numba_internals import poisoned_memory
+
+    monkeypatch.setitem(flash_bwd.TILES, 64, dict(dkdv=tiles, dq=tiles))
+    spec = flash_bwd.BwdSpec("dkdv", 64, 64, "float32", True)
+    assert spec.tiles == tiles and (spec.dynamic_shared_bytes > 48 * 1024) == (tiles[0] == 64)
+    assert flash_bwd.BwdSpec("dq", 64, 64, "float32", True).tiles == tiles
+    names = ("causal bottom_right 45x31", "mask with empty rows", "GQA, Dv != D")
+    cases = [replace(c, backward=True) for c in edge_cases()
+             if c.name.startswith(tuple(f"edge: {e}" for e in names))]
+    assert len(cases) == len(names)
+    with poisoned_memory():  # an element read before it is written is NaN
+        report = verify.compare(numba_with("tuned"), backward=True,
+                                cases=list(zip(cases, range(len(cases)))), progress=False)
+    assert report.passed, str(report)
+    assert all(r.verdict == "pass" for r in report.cases), str(report)
+
+
+@pytest.mark.long
+def test_tuned_backward_at_its_wider_tiles():
+    """The shipped tiles of width 128 (256 threads a block, 4 x 4 micro-tiles, 170 KB of
+    dynamic shared memory): a query tile past 64 (tile + 1 rows), a causal band, Dv != D.
+    (Width 256's tiles differ only in their sizes; the simulator takes two minutes there.)"""
+    case = Case("width 128: 65 x 33, bottom_right", B=1, Hq=1, Hk=1, Nq=65, Nk=33, D=128,
+                Dv=96, dtype="float32", causal="bottom_right", backward=True)
+    report = verify.compare(numba_with("tuned"), backward=True, cases=[(case, 0)],
+                            progress=False)
+    assert report.passed and all(r.verdict == "pass" for r in report.cases), str(report)

@@ -70,7 +70,7 @@ class Dispatcher:
 
     def __init__(self, internals=True):
         self.overloads = {}
-        self.numba_calls = []
+        self.numba_calls, self.configs = [], []
         self.compiled = Compiled if internals else lambda types: SimpleNamespace()
 
     @staticmethod
@@ -83,6 +83,7 @@ class Dispatcher:
             self.overloads.setdefault(types, self.compiled(types))
             self.numba_calls.append([a.tensor.ptr if isinstance(a, DeviceArray) else a
                                      for a in args])
+            self.configs.append(config)
         return run
 
 
@@ -92,9 +93,9 @@ class FakePacked:
 
     launched = None
 
-    def __init__(self, function, params, grid, block, stream_handle):
+    def __init__(self, function, params, grid, block, stream_handle, shared):
         self.function, self.params = function, list(params)
-        self.config, self.stream = dict(grid=grid, block=block), stream_handle
+        self.config, self.stream = dict(grid=grid, block=block, shared=shared), stream_handle
 
     def __call__(self, writes):
         params = list(self.params)
@@ -129,10 +130,25 @@ def test_later_calls_launch_with_their_own_pointers(fake_gpu):
     assert len(kernel.numba_calls) == 1
     (stream, fn, config, params), = fake_gpu
     assert stream == 1234 and fn == "fn"
-    assert config == dict(grid=8, block=64)
+    assert config == dict(grid=8, block=64, shared=0)
     # two arrays of 2-D shape (2, 3): 9 words each, their data pointers at 4 and 13
     assert params[4] == 300 and params[13] == 400 and params[5:9] == [2, 3, 12, 4]
     assert params[18].value == 5
+
+
+def test_dynamic_shared_memory_is_allowed_before_the_first_launch(fake_gpu, monkeypatch):
+    """Above 48 KB the kernel is let take its dynamic shared memory before Numba's launch
+    (which would fail otherwise), and the packed launch passes the same bytes."""
+    kernel, allowed = Dispatcher(), []
+    monkeypatch.setattr(numba_internals, "allow_dynamic_shared", lambda k, args, n: allowed.append(
+        (k, [a.tensor.ptr for a in args[:1]], n, len(k.numba_calls))))
+    launch.launch(kernel, "k", 8, 64, STREAM, Tensor(100), 5, shared=48 * 1024)
+    assert allowed == [] and kernel.configs == [(8, 64, STREAM, 48 * 1024)]
+    launch.launch(kernel, "k", 8, 64, STREAM, Tensor(100), 5, shared=77056)
+    assert allowed == [(kernel, [100], 77056, 1)]  # before that layout's Numba launch
+    launch.launch(kernel, "k", 8, 64, STREAM, Tensor(300), 5, shared=77056)
+    assert kernel.configs[-1] == (8, 64, STREAM, 77056) and len(kernel.configs) == 2
+    assert fake_gpu[-1][2] == dict(grid=8, block=64, shared=77056)
 
 
 @pytest.mark.parametrize("change", ["shape", "scalar", "grid", "stream"])
@@ -218,12 +234,12 @@ def real_flattening(strides):
     assert params[19].value == 0.5
 
 
-def packed_launch(params, sizes, grid=(4, 2), block=128, stream=1234):
+def packed_launch(params, sizes, grid=(4, 2), block=128, stream=1234, shared=0):
     """A real PackedLaunch over a stand-in kernel (its handle and declared parameter sizes)
     whose driver call appends its arguments to the returned list instead of launching."""
     pytest.importorskip("cuda.bindings", reason="needs numba-cuda's CUDA bindings (ptx extra)")
     function = SimpleNamespace(handle="fn", arguments_info=[(0, size) for size in sizes])
-    packed = numba_internals.PackedLaunch(function, params, grid, block, stream)
+    packed = numba_internals.PackedLaunch(function, params, grid, block, stream, shared)
     calls = []
     packed._driver = SimpleNamespace(cuLaunchKernel=lambda *a: calls.append(a) or (0,),
                                      CUresult=SimpleNamespace(CUDA_SUCCESS=0))
@@ -250,6 +266,45 @@ def test_a_packed_launch_gives_the_driver_each_parameter_as_declared(monkeypatch
     assert read(0, "<Q") == 0x7F0000003000  # the last launch's write
     assert (read(1, "<q"), read(2, "<i"), read(3, "<f"), read(4, "<?"), read(5, "<H")) == \
         (-8, -3, 0.5, True, 7)
+
+
+def test_a_packed_launch_passes_its_dynamic_shared_memory(monkeypatch):
+    monkeypatch.setattr(numba_internals, "_BOUND", SimpleNamespace(context=True))
+    packed, calls = packed_launch([5], [8], shared=77056)
+    packed([])
+    assert calls[0][7] == 77056  # cuLaunchKernel's sharedMemBytes
+
+
+@pytest.mark.parametrize("loaded_as", ["CUkernel", "CUfunction"])
+def test_dynamic_shared_memory_is_allowed_on_the_version_the_arguments_select(monkeypatch,
+                                                                             loaded_as):
+    """allow_dynamic_shared compiles (or finds) the version for the arguments' types and sets
+    its MAX_DYNAMIC_SHARED_SIZE_BYTES through the call that fits its handle's type."""
+    driver = pytest.importorskip("cuda.bindings.driver", reason="needs the ptx extra")
+    import numba.cuda
+
+    calls = []
+    for name in ("cuKernelSetAttribute", "cuFuncSetAttribute"):
+        monkeypatch.setattr(driver, name, lambda *a, name=name: calls.append((name, a)) or (
+            driver.CUresult.CUDA_SUCCESS,))
+    monkeypatch.setattr(numba.cuda, "get_current_device", lambda: SimpleNamespace(id=3))
+    handle = getattr(driver, loaded_as)()
+    versions = {("a", int): SimpleNamespace(_codelibrary=SimpleNamespace(
+        get_cufunc=lambda: SimpleNamespace(kernel=SimpleNamespace(handle=handle))))}
+    kernel = SimpleNamespace(compile=versions.__getitem__,
+                             typeof_pyval=lambda a: "a" if isinstance(a, np.ndarray) else type(a))
+    numba_internals.allow_dynamic_shared(kernel, (np.zeros(2), 7), 77056)
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if loaded_as == "CUkernel":
+        assert calls == [("cuKernelSetAttribute", (attribute, 77056, handle, 3))]
+    else:
+        assert calls == [("cuFuncSetAttribute", (handle, attribute, 77056))]
+    monkeypatch.setattr(driver, "cuKernelSetAttribute", lambda *a: (
+        driver.CUresult.CUDA_ERROR_INVALID_VALUE,))
+    monkeypatch.setattr(driver, "cuFuncSetAttribute", lambda *a: (
+        driver.CUresult.CUDA_ERROR_INVALID_VALUE,))
+    with pytest.raises(RuntimeError, match="cannot take 77056 bytes"):
+        numba_internals.allow_dynamic_shared(kernel, (np.zeros(2), 7), 77056)
 
 
 @pytest.mark.parametrize("sizes", [[8, 8], [8, 4, 4], [8, 8, 8]])
