@@ -43,10 +43,9 @@ from dataclasses import dataclass
 from numba import cuda
 
 from .convert import float32, int64, uint64, CONVERTERS
-from .flash_fwd import (DYNAMIC_SHARED_LIMIT, STATIC_SHARED_LIMIT, VEC, check_parameters,
-                        key_range_device,
-                        NO_PART, kernel_part, make_masked_score, make_pv, make_scores,
-                        takes_part, tile_loader)
+from .flash_fwd import (DYNAMIC_SHARED_LIMIT, NO_PART, STATIC_SHARED_LIMIT, VEC,
+                        check_parameters, kernel_part, key_range_device, make_masked_score,
+                        make_pv, make_scores, takes_part, tile_loader)
 from .plain_bwd import DKDV_ARGS, DQ_ARGS
 
 NEG_INF, ZERO = float32(-math.inf), float32(0.0)

@@ -11,9 +11,9 @@ for the compute capability, then `ptxas -v`, which reports registers, spills, st
 shared memory. A variant fails when it spills, needs a stack frame (arrays that fell out of
 registers into local memory; the plain kernels keep a row or a key there by design, so for
 them only the rest counts), uses more static shared memory than 48 KB (or more dynamic
-shared memory, the tuned backward's larger tiles, than the 227 KB a block may take), or has a float64
-instruction in its PTX (a bare Python float turns float32 arithmetic into float64). The CUDA
-simulator cannot show any of this.
+shared memory, the tuned backward's larger tiles, than the 227 KB a block may take), or has
+a float64 instruction in its PTX (a bare Python float turns float32 arithmetic into
+float64). The CUDA simulator cannot show any of this.
 Exit code 0 only when every variant passes.
 
 Each variant's figures are cached (FLASH_PTX_CACHE, default ~/.cache/flash-conformance/ptx)
@@ -214,13 +214,16 @@ def run_gate(specs, cc, ptxas, digest, folder, record, jobs):
             row = dict(record[key], cached=True) if key in record else next(computed)
             rows.append(row)
             status = "ok" if row["ok"] else "FAIL " + ",".join(row.get("problems", ["ptxas"]))
-            figures = row.get("error") or (f"{row['registers']:3d} regs "
-                                           f"{row['shared'] + row.get('dynamic_shared', 0):6d} B smem "
-                                           f"stack {row['stack_frame']} spills "
-                                           f"{row['spill_stores']}/{row['spill_loads']}")
+            figures = row.get("error") or _figures(row)
             print(f"[{i + 1}/{len(specs)}] {row['spec']}: {figures} {status}"
                   + (" (cached)" if row.get("cached") else ""), flush=True)
     return keys, rows
+
+
+def _figures(row):
+    smem = row["shared"] + row.get("dynamic_shared", 0)
+    return (f"{row['registers']:3d} regs {smem:6d} B smem stack {row['stack_frame']} spills "
+            f"{row['spill_stores']}/{row['spill_loads']}")
 
 
 def write_record(rows, path=RECORD):

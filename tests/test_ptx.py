@@ -1,5 +1,6 @@
 """Every shipped kernel variant compiles for sm_90 without spills, local memory, float64
-instructions or shared memory over the static limit (numba_kernels/ptx_report.py).
+instructions or shared memory over the static (or the dynamic) limit
+(numba_kernels/ptx_report.py).
 
 Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling the 509
 kernels (numba_kernels.specs.gate_specs) takes about 9 minutes on 2 cores: tests/conftest.py starts the report as soon as this
@@ -176,3 +177,27 @@ def test_the_gate_lists_every_variant_a_call_can_launch():
                                    for part in ("dkdv", "dq") for n in (False, True)]
                     missing |= set(wanted) - gate
     assert not missing, sorted(map(str, missing))[:10]
+
+
+def test_the_gate_fails_dynamic_shared_memory_over_a_blocks_limit(monkeypatch):
+    """ptxas counts only static shared memory: a variant's dynamic bytes (the tuned
+    backward's tiles past 48 KB) are checked against the 227 KB a block may take, and a spec
+    asking for more is refused when it is made."""
+    from contextlib import nullcontext
+
+    from numba_kernels import numba_internals, ptx_report, specs
+    from numba_kernels.flash_bwd import BwdSpec
+
+    monkeypatch.setattr(numba_internals, "compiling_for", lambda cc: nullcontext())
+    monkeypatch.setattr(specs, "compile_ptx", lambda spec, cc: "ptx")
+    monkeypatch.setattr(ptx_report, "ptxas_figures", lambda ptx, cc, ptxas: dict(
+        registers=200, spill_stores=0, spill_loads=0, stack_frame=0, shared=0,
+        f64_instructions=0))
+    shipped = BwdSpec("dkdv", 128, 128, "float32", False)
+    row = ptx_report.check_variant((shipped, (9, 0), "ptxas"))
+    assert row["ok"] and row["dynamic_shared"] == shipped.dynamic_shared_bytes > 48 * 1024
+    too_big = SimpleNamespace(dynamic_shared_bytes=227 * 1024 + 4)
+    row = ptx_report.check_variant((too_big, (9, 0), "ptxas"))
+    assert not row["ok"] and row["problems"] == ["shared"]
+    with pytest.raises(ValueError, match="inconsistent backward kernel spec"):
+        BwdSpec("dkdv", 256, 256, "float32", False, (64, 64, 16, 16)).check()
