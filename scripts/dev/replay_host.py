@@ -1,0 +1,85 @@
+"""Where a replayed forward call's host time goes (replay.py): the call's pieces timed one by
+one on the host (medians over many calls, in microseconds), beside the same packed launch
+made through ctypes straight into libcuda instead of cuda.bindings.
+
+    python scripts/dev/replay_host.py [--shape 4x16x4096x64] [--dtype bfloat16] [--calls 2000]
+
+The pieces: the whole call; replay.call_key; the buffers' torch.empty; each recorded launch
+(numba_internals.PackedLaunch: its writes and cuLaunchKernel through cuda.bindings); the
+launch's driver call alone, through cuda.bindings and through ctypes. Nothing waits for the
+GPU between calls except every 100th (so the queue stays short).
+"""
+import argparse
+import ctypes
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+from numba_kernels import flash_attention, replay  # noqa: E402
+
+
+def median_us(fn, calls):
+    times = []
+    for i in range(calls):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+        if i % 100 == 99:
+            torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    return statistics.median(times) / 1e3
+
+
+def ctypes_launcher(packed):
+    """The packed launch's cuLaunchKernel through ctypes, with its arguments made once."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    fn = lib.cuLaunchKernel
+    fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    fn.restype = ctypes.c_int
+    handle, *dims, shared, stream, params, _ = packed._args
+    args = (int(handle), *dims, shared, int(stream), params, None)
+    return lambda: fn(*args)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="4x16x4096x64")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--calls", type=int, default=2000)
+    a = ap.parse_args()
+    b, h, n, d = (int(x) for x in a.shape.split("x"))
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=getattr(torch, a.dtype))
+               for _ in range(3))
+    options = dict(causal="top_left")
+    flash_attention(q, k, v, **options)  # compiles, records
+    key = replay.call_key((q, k, v), (None, "top_left", None, False, None, "auto"))
+    rec = replay.find(key)
+    assert rec is not None, "the call was not recorded for replay"
+    print(f"{a.shape} {a.dtype} causal: {len(rec.launches)} launches, {len(rec.buffers)} "
+          f"buffers", flush=True)
+    rows = [("whole call", lambda: flash_attention(q, k, v, **options)),
+            ("call_key", lambda: replay.call_key((q, k, v), (None, "top_left", None, False,
+                                                             None, "auto"))),
+            ("torch.empty of the buffers", lambda: [torch.empty(s, dtype=t, device=dv)
+                                                    for s, t, dv in rec.buffers])]
+    ptrs = [x.data_ptr() for x in (q, k, v)] + [0] * len(rec.buffers) + rec.kept_ptrs
+    new = [torch.empty(s, dtype=t, device=dv) for s, t, dv in rec.buffers]
+    ptrs[3:3 + len(new)] = [t.data_ptr() for t in new]
+    for i, (plan, sources) in enumerate(rec.launches):
+        writes = [(slot, ptrs[j]) for slot, j in sources]
+        packed = plan.packed
+        rows += [(f"launch {i}: PackedLaunch", lambda p=packed, w=writes: p(w)),
+                 (f"launch {i}: cuda.bindings cuLaunchKernel alone",
+                  lambda p=packed: p._driver.cuLaunchKernel(*p._args)),
+                 (f"launch {i}: ctypes cuLaunchKernel alone", ctypes_launcher(packed))]
+    for name, fn in rows:
+        fn()
+        print(f"  {name:48s} {median_us(fn, a.calls):8.2f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
