@@ -111,8 +111,7 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
     _check_num_splits(num_splits)
     key = None
     if mask is None and bias is None and kv_lengths is None and spec is None:
-        key = replay.call_key((q, k, v), (scale, causal, window, return_lse, num_splits,
-                                          kernel))
+        key = replay_key(q, k, v, scale, causal, window, return_lse, num_splits, kernel)
         found = replay.find(key)
         if found is not None:
             return found.run((q, k, v))
@@ -126,6 +125,13 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
         if recorded is not None:
             recorded.returns(out, lse, return_lse)
     return _results(io, out, lse, return_lse)
+
+
+def replay_key(q, k, v, scale=None, causal=False, window=None, return_lse=False,
+               num_splits=None, kernel="auto"):
+    """The layout under which forward records and replays a call without mask, bias,
+    kv_lengths or spec (replay.call_key; None: not one to replay)."""
+    return replay.call_key((q, k, v), (scale, causal, window, return_lse, num_splits, kernel))
 
 
 def _simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec):

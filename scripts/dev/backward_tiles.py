@@ -3,13 +3,14 @@
 and its dK/dV and dQ kernels' (torch.profiler), and the largest difference from the first
 candidate's gradients (the same sums in another order: ~1e-6 of the largest gradient).
 
-    python scripts/dev/backward_tiles.py [--tiles "128:16,16,8,8 128:32,32,8,16 ..."]
+    python scripts/dev/backward_tiles.py [--tiles "128:16,16,8,8 128:32,32,8,16 256:shipped ..."]
         [--shapes 2x16x8192x128,...] [--dtype float32] [--reps 3]
 
 Candidates run in rounds (each candidate once a round) so that clock drift reaches them
 alike; the figure is each one's median. flash_bwd.TILES is read when a call makes its
-BwdSpec, so setting it chooses the tiles of the next call (here the same for both parts;
-each part's kernel time is printed, so one run tells each part's best).
+BwdSpec, so setting it chooses the tiles of the next call: a candidate's for both parts, or
+"shipped", flash_bwd.TILES as the module has them (each part its own). Each part's kernel
+time is printed, so one run tells each part's best.
 """
 import argparse
 import os
@@ -22,8 +23,9 @@ sys.path.insert(0, os.getcwd())
 from numba_kernels import flash_attention, flash_attention_backward, flash_bwd  # noqa: E402
 from numba_kernels.compile_cache import warm  # noqa: E402
 
-DEFAULT_TILES = ("64:32,32,8,8 64:64,64,8,16 128:16,16,8,8 128:64,64,16,16 256:8,8,8,8 "
-                 "256:32,64,16,16 256:64,32,16,16")  # before and after the dynamic tiles
+DEFAULT_TILES = ("64:32,32,8,8 64:shipped 128:16,16,8,8 128:shipped 256:8,8,8,8 "
+                 "256:shipped")  # before and after the dynamic tiles
+SHIPPED = {w: tuple(sorted(parts.items())) for w, parts in flash_bwd.TILES.items()}
 DEFAULT_SHAPES = "2x16x8192x128,2x16x2048x128,4x16x8192x64,2x16x2048x256"
 
 
@@ -31,9 +33,15 @@ def parse(args):
     tiles = {}
     for item in args.tiles.split():
         width, t = item.split(":")
-        tiles.setdefault(int(width), []).append(tuple(int(x) for x in t.split(",")))
+        tiles.setdefault(int(width), []).append(
+            SHIPPED[int(width)] if t == "shipped" else tuple(int(x) for x in t.split(",")))
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     return tiles, shapes
+
+
+def part_tiles(t):
+    """A candidate as TILES holds it: {part: tiles}."""
+    return dict(t) if isinstance(t[0], tuple) else dict(dkdv=t, dq=t)
 
 
 def kernel_times(call):
@@ -73,7 +81,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     tiles, shapes = parse(args)
-    specs = [flash_bwd.BwdSpec(part, w, w, args.dtype, False, t).check()
+    specs = [flash_bwd.BwdSpec(part, w, w, args.dtype, False, part_tiles(t)[part]).check()
              for w, ts in tiles.items() for t in ts for part in ("dkdv", "dq")]
     for s in specs:
         print(f"{s.part} {s.d} {s.tiles}: {s.threads} threads, {s.shared_bytes} B shared"
@@ -94,7 +102,7 @@ def main():
             results, first = {}, None
             for _ in range(args.rounds):
                 for t in tiles[w]:
-                    flash_bwd.TILES[w] = dict(dkdv=t, dq=t)
+                    flash_bwd.TILES[w] = part_tiles(t)
 
                     def call():
                         return flash_attention_backward(q, k, v, out, lse, dout, causal=causal,

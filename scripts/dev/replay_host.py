@@ -4,7 +4,8 @@ made through ctypes straight into libcuda instead of cuda.bindings.
 
     python scripts/dev/replay_host.py [--shape 4x16x4096x64] [--dtype bfloat16] [--calls 2000]
 
-The pieces: the whole call; replay.call_key; the buffers' torch.empty; each recorded launch
+The pieces: the whole call; its layout key (api.replay_key); the buffers' torch.empty; each
+recorded launch
 (numba_internals.PackedLaunch: its writes and cuLaunchKernel through cuda.bindings); the
 launch's driver call alone, through cuda.bindings and through ctypes. Nothing waits for the
 GPU between calls except every 100th (so the queue stays short).
@@ -20,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 from numba_kernels import flash_attention, replay  # noqa: E402
+from numba_kernels.api import replay_key  # noqa: E402
 
 
 def median_us(fn, calls):
@@ -56,14 +58,12 @@ def main():
                for _ in range(3))
     options = dict(causal="top_left")
     flash_attention(q, k, v, **options)  # compiles, records
-    key = replay.call_key((q, k, v), (None, "top_left", None, False, None, "auto"))
-    rec = replay.find(key)
+    rec = replay.find(replay_key(q, k, v, **options))
     assert rec is not None, "the call was not recorded for replay"
     print(f"{a.shape} {a.dtype} causal: {len(rec.launches)} launches, {len(rec.buffers)} "
           f"buffers", flush=True)
     rows = [("whole call", lambda: flash_attention(q, k, v, **options)),
-            ("call_key", lambda: replay.call_key((q, k, v), (None, "top_left", None, False,
-                                                             None, "auto"))),
+            ("layout key", lambda: replay_key(q, k, v, **options)),
             ("torch.empty of the buffers", lambda: [torch.empty(s, dtype=t, device=dv)
                                                     for s, t, dv in rec.buffers])]
     ptrs = [x.data_ptr() for x in (q, k, v)] + [0] * len(rec.buffers) + rec.kept_ptrs
