@@ -14,8 +14,7 @@ from .flash_fwd import LOG2E, kernel_args
 from . import replay
 from .launch import launch
 from .flash_mma import (BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, MMA_ARG_NAMES,
-                        SCAN_THREADS, MmaSpec, ScanSpec, mma_kernel, mma_plan,
-                        mma_width as pad_mma, scan_kernel)
+                        MmaSpec, mma_kernel, mma_plan, mma_width as pad_mma)
 from .plain_fwd import PLAIN_ARG_NAMES, plain_kernel, plain_tiles
 from .specs import (DTYPES, MAX_HEAD_DIM, build_kernel, build_merge, choose_spec, launch_grid,
                     pad)
@@ -262,28 +261,26 @@ def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
 
 
 def _mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits):
-    """The pre-pass and the tensor-core kernel (flash_mma.py) into out and lse, split-KV
-    merged."""
+    """The tensor-core kernel (flash_mma.py) into out and lse, split-KV merged: its fast
+    variant, then its careful variant for the blocks the fast one deferred (a row that
+    ended non-finite; most often none, and its blocks return at once)."""
     if pb.batch * pb.heads_q * pb.n_q > 0:
         q_tiles = -(-pb.n_q // MMA_BLOCK_M)
         n_splits, split_len = _splits(pb, q_tiles * pb.batch * pb.heads_q, MMA_BLOCK_N,
                                       num_splits)
-        spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype,
-                       mask is not None or bias is not None, n_splits > 1)
         mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
-        v_dev, key_tiles = io.dev(v), max(1, -(-pb.n_k // MMA_BLOCK_N))
-        v_flags = io.scratch((pb.batch, pb.heads_k, key_tiles))
-        if pb.n_k > 0:  # which V tiles hold a NaN or an inf (the kernel's slow path)
-            scan = ScanSpec(pb.dtype)
-            launch(scan_kernel(scan), scan, (key_tiles, pb.batch * pb.heads_k), SCAN_THREADS,
-                   io.stream, io.words(v_dev), v_flags, pb.n_k, pb.dv // 2)
         dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
-        launch(mma_kernel(spec), spec, (q_tiles, pb.batch * pb.heads_q, n_splits), 128,
-               io.stream, *kernel_args(
-                   MMA_ARG_NAMES, q=io.dev(q), k=io.dev(k), v=v_dev, mask=mask_dev,
-                   bias=bias_dev, kv_lengths=lengths, v_flags=v_flags, out=io.dev(dest[0]),
-                   lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d, dv=pb.dv, group=pb.group,
-                   heads_q=pb.heads_q, split_len=split_len, **_band(pb), **steps))
+        args = kernel_args(
+            MMA_ARG_NAMES, q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev,
+            bias=bias_dev, kv_lengths=lengths,
+            deferred=io.scratch((n_splits * pb.batch, pb.heads_q, q_tiles)),
+            out=io.dev(dest[0]), lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d, dv=pb.dv,
+            group=pb.group, heads_q=pb.heads_q, split_len=split_len, **_band(pb), **steps)
+        for careful in (False, True):
+            spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype,
+                           mask is not None or bias is not None, n_splits > 1, careful)
+            launch(mma_kernel(spec), spec, (q_tiles, pb.batch * pb.heads_q, n_splits), 128,
+                   io.stream, *args)
         if n_splits > 1:
             _merge(io, pb, dest, out, lse, n_splits)
 

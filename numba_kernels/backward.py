@@ -11,9 +11,10 @@ from .launch import launch
 from .plain_bwd import (DELTA_ARGS, DELTA_THREADS, DKDV_ARGS, DQ_ARGS, plain_bwd_kernel)
 from .plain_fwd import plain_tiles
 from .flash_bwd import BwdSpec, bwd_width
-from .flash_mma import SCAN_THREADS, ScanSpec, mma_plan, mma_width, scan_kernel
+from .flash_mma import mma_plan, mma_width
 from .flash_mma_bwd import (BLOCK as MMA_BLOCK, FLAG_ROWS, MMA_DKDV_ARGS, MMA_DQ_ARGS,
-                            THREADS as MMA_THREADS, MmaBwdSpec, mma_bwd_kernel)
+                            SCAN_THREADS, THREADS as MMA_THREADS, MmaBwdSpec, ScanSpec,
+                            mma_bwd_kernel, scan_kernel)
 from .specs import pad, tuned_bwd_kernel
 
 
@@ -125,7 +126,7 @@ KERNELS = {"plain": _plain, "tuned": _tuned, "mma": _mma}
 
 def _flags(io, pb, x):
     """(B, H, rows / FLAG_ROWS) uint8 on the device: 1 where FLAG_ROWS rows of x (16-bit,
-    C-contiguous on the device, an even last dim) hold a NaN or an inf (flash_mma's
+    C-contiguous on the device, an even last dim) hold a NaN or an inf (flash_mma_bwd's
     pre-pass; no wait for it)."""
     batch, heads, rows, width = x.shape
     tiles = -(-rows // FLAG_ROWS)

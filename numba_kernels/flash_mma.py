@@ -19,12 +19,19 @@ accumulation throughout.
 Per key tile, per warp: S = Q K^T (ldmatrix of K, mma), scaled and masked per element as the
 SIMT kernel does (flash_fwd's masked_score); the online softmax on the fragments (a row's max
 and sum across the 4 lanes that hold it, by shuffles); P rounded to the input dtype in
-registers and multiplied by V (ldmatrix.trans of V, mma). Where a V tile holds a NaN or an
-inf (a pre-pass, nonfinite_tiles, flags such tiles once per call) the block takes the slow
-path: a pair that takes no part gets P = -0.0 (flash_fwd.NO_PART), and only the pairs that
-take part are added, in float32 (0 * NaN would be NaN). One barrier a key tile: every
+registers and multiplied by V (ldmatrix.trans of V, mma). One barrier a key tile: every
 thread waits for its copies of tile j, the barrier makes them visible and frees the other
 stage, then tile j + 1 is copied there while tile j is computed.
+
+A NaN or an inf in V: mma.sync adds every pair of a tile, and a pair that takes no part (P =
+0) adds 0 * NaN = NaN, so a row that does not see such a key could end NaN. That can only
+make a row non-finite, so a block whose rows all end finite is right. Each call launches the
+kernel in two variants (MmaSpec.careful), with no wait for the host between them: the fast
+one (no slow code) leaves each block where a row ended non-finite to the careful one
+(`deferred`), which does those blocks again and returns at once from the others. There each
+V tile is tested in shared memory as it lands (tile_nonfinite), and one holding a NaN or an
+inf takes the slow path: a pair that takes no part gets P = -0.0 (flash_fwd.NO_PART), and
+only the pairs that take part are added, in float32.
 
 Split-KV (decoding: too few query tiles to fill the GPU): blockIdx.z takes the keys
 split * split_len .. + split_len and writes float32 partial results, merged by lse
@@ -43,10 +50,10 @@ from .flash_fwd import (F_LN2, NEG_INF, NO_PART, ZERO, ARGS, FASTMATH, check_par
                         make_masked_score, takes_part)
 from .compile_cache import jit
 
-V_FLAGS = ("v_flags", "flags", "(B, Hk, key tiles) uint8: 1 where a V tile holds a NaN or an "
-           "inf (the pre-pass nonfinite_tiles)")
+DEFERRED = ("deferred", "flags", "(splits * B, Hq, query tiles) uint8: 1 where a block of the "
+            "fast variant ended with a row that is not finite, which the careful one does again")
 MMA_ARGS = tuple(x for a in ARGS if a[0] != "n_tiles"
-                 for x in ((V_FLAGS, a) if a[0] == "out" else (a,)))  # flags before out
+                 for x in ((DEFERRED, a) if a[0] == "out" else (a,)))  # deferred before out
 MMA_ARG_NAMES = tuple(name for name, _, _ in MMA_ARGS)
 MMA_DTYPES = ("float16", "bfloat16")
 MMA_WIDTHS = (64, 128)  # head dims are zero-padded to one of these
@@ -64,6 +71,7 @@ class MmaSpec:
     dtype: str
     has_mask: bool
     partial: bool = False  # split-KV: float32 partial results for split_kv's merge
+    careful: bool = False  # the variant for the blocks the fast one deferred (V not finite)
 
     def check(self):
         if self.d not in MMA_WIDTHS or self.dv not in MMA_WIDTHS:
@@ -80,10 +88,10 @@ class MmaSpec:
 
 
 def mma_specs():
-    """Every variant the PTX report compiles: the kernels and the pre-passes."""
-    return [MmaSpec(d, dv, dtype, m, p) for d in MMA_WIDTHS for dv in MMA_WIDTHS
-            for dtype in MMA_DTYPES for m in (False, True) for p in (False, True)] + [
-        ScanSpec(t) for t in MMA_DTYPES]
+    """Every variant the PTX report compiles."""
+    return [MmaSpec(d, dv, dtype, m, p, c) for d in MMA_WIDTHS for dv in MMA_WIDTHS
+            for dtype in MMA_DTYPES for m in (False, True) for p in (False, True)
+            for c in (False, True)]
 
 
 def mma_width(d):
@@ -135,6 +143,24 @@ def make_copy_kv(copy_k, copy_v, K_TILE):
         copy_v(words, at + K_TILE, v, v_base, start, n, dv)
 
     return copy_kv
+
+
+def make_load_q(copy_q, copy_kv, load_q_fragments, STAGE):
+    @kernel_part
+    def load_q(words, q, k, v, q_base, k_base, v_base, start_m, first, last, n_q, d, dv,
+               q_frag, lane, w):
+        """The Q tile through the second stage into this warp's A fragments, and the first key
+        tile copied into stage 0 (not waited for)."""
+        copy_q(words, STAGE, q, q_base, start_m, n_q, d)  # group: Q
+        warp.cp_async_commit()
+        if first < last:  # group: the first key tile, into stage 0
+            copy_kv(words, 0, k, v, k_base, v_base, first, last, d, dv)
+        warp.cp_async_commit()
+        warp.cp_async_wait(1)  # this thread's part of Q has landed
+        cuda.syncthreads()  # Barrier: all of Q has landed.
+        load_q_fragments(words, STAGE, q_frag, lane, w)
+
+    return load_q
 
 
 def make_init_rows(VB):
@@ -325,55 +351,49 @@ def make_pv_seen_pairs(DV, V_ROW, unpack, KEYS=BLOCK_N):
     return pv_seen_pairs
 
 
-SCAN_THREADS = 128
-SCAN_UNROLL = 4  # loads a thread has in flight
-# The exponent bits of a 16-bit float: all ones for an inf or a NaN (either sign), in the low
-# and the high value of a 32-bit word.
+# The exponent bits of a 16-bit float: all ones for an inf or a NaN (either sign).
 EXPONENT_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
 
 
-@dataclass(frozen=True)
-class ScanSpec:
-    """The pre-pass of one input dtype: which V tiles hold a NaN or an inf."""
+@kernel_part
+def word_nonfinite(w, low):
+    """Whether either 16-bit value of the 32-bit word w is a NaN or an inf, their exponent
+    bits being `low` (EXPONENT_BITS) in the low value: all ones in either half."""
+    high = low << 16
+    return (w & low) == low or (w & high) == high
 
-    dtype: str
 
+def make_tile_nonfinite(DV, V_ROW, LOW):
+    WORDS_USED = DV // 2  # words of a V row the copy writes (the padding after is never read)
+    TILE_WORDS = BLOCK_N * WORDS_USED
+    THREADS = WARPS * 32
 
-def scan_source(spec):
-    """nonfinite_tiles(words, v_flags, n_k, row_words): v_flags[b, h, t] = 1 where keys
-    t BLOCK_N .. + BLOCK_N - 1 of V's head (b, h) hold a NaN or an inf, else 0. words: V's
-    memory (C-contiguous, (B, Hk, Nk, Dv)) as int32 words of two values, row_words = Dv / 2
-    a key. One block a tile, each thread SCAN_UNROLL coalesced 4-byte loads at a time and a
-    bit test (no conversion, no division); V is read once, so the main kernel tests one
-    flag a tile instead of scanning every tile it copies."""
-    LOW = EXPONENT_BITS[spec.dtype]
-    HIGH = LOW << 16
-
-    def nonfinite_tiles(words, v_flags, n_k, row_words):
-        t, head = cuda.blockIdx.x, cuda.blockIdx.y  # head: b * Hk + h
-        first_key = int64(t) * BLOCK_N
-        base = (int64(head) * n_k + first_key) * row_words
-        n = min(BLOCK_N, n_k - first_key) * row_words
+    @kernel_part
+    def tile_nonfinite(words, at):
+        """Whether the V tile at word `at` holds a NaN or an inf, for the whole block (every
+        thread calls it: one barrier). Keys past the block's last and columns past dv were
+        copied as zeros. Each thread tests TILE_WORDS / THREADS words by their bits."""
         bad = 0  # an int: syncthreads_or takes one
-        for i in range(cuda.threadIdx.x, n, SCAN_UNROLL * SCAN_THREADS):
-            for u in range(SCAN_UNROLL):
-                j = i + u * SCAN_THREADS
-                if j < n:
-                    w = words[base + j]
-                    if (w & LOW) == LOW or (w & HIGH) == HIGH:
-                        bad = 1
-        bad = cuda.syncthreads_or(bad)
-        if cuda.threadIdx.x == 0:
-            heads = v_flags.shape[1]
-            v_flags[head // heads, head % heads, t] = bad
+        for i in range(cuda.threadIdx.x, TILE_WORDS, THREADS):
+            if word_nonfinite(words[at + (i // WORDS_USED) * V_ROW + i % WORDS_USED], LOW):
+                bad = 1
+        return cuda.syncthreads_or(bad) != 0
 
-    return nonfinite_tiles
+    return tile_nonfinite
 
 
-@lru_cache(maxsize=4)
-def scan_kernel(spec):
-    """The compiled pre-pass of a ScanSpec (through the on-disk compile cache)."""
-    return jit(scan_source(spec), ("mma-scan", spec.dtype), FASTMATH)
+def make_acc_finite(VB):
+    @kernel_part
+    def acc_finite(acc):
+        """Whether every value of the lane's accumulator is finite."""
+        finite = True
+        for vb in range(VB):
+            for e in range(4):
+                if not math.isfinite(acc[vb, e]):
+                    finite = False
+        return finite
+
+    return acc_finite
 
 
 def make_store_out(DV, store):
@@ -408,21 +428,24 @@ def kernel_source(spec):
     K_ROW, V_ROW, STAGE, WORDS = spec.words
     K_TILE = BLOCK_N * K_ROW  # words of the K tile: the V tile follows it in a stage
     NB, VB, KSTEPS = BLOCK_N // 8, DV // 8, D // 16
+    CAREFUL = spec.careful
     mma = warp.mma_f16 if spec.dtype == "float16" else warp.mma_bf16
     pack = warp.pack_f16 if spec.dtype == "float16" else warp.pack_bf16
     unpack = warp.unpack_f16 if spec.dtype == "float16" else warp.unpack_bf16
-    copy_q = make_copy_tile(BLOCK_M, D, K_ROW)
     copy_kv = make_copy_kv(make_copy_tile(BLOCK_N, D, K_ROW), make_copy_tile(BLOCK_N, DV, V_ROW),
                            K_TILE)
-    init_rows = make_init_rows(VB)
-    load_q_fragments, scores = make_load_q_fragments(D, K_ROW), make_scores(D, K_ROW, mma)
+    load_q = make_load_q(make_copy_tile(BLOCK_M, D, K_ROW), copy_kv,
+                         make_load_q_fragments(D, K_ROW), STAGE)
+    init_rows, scores = make_init_rows(VB), make_scores(D, K_ROW, mma)
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
                                          spec.has_mask)
     online_softmax = make_online_softmax(NB, VB)
     pv, pv_seen_pairs = make_pv(DV, V_ROW, mma, pack), make_pv_seen_pairs(DV, V_ROW, unpack)
+    tile_nonfinite = make_tile_nonfinite(DV, V_ROW, EXPONENT_BITS[spec.dtype])
+    acc_finite = make_acc_finite(VB)
     store_out = make_store_out(DV, CONVERTERS["float32" if spec.partial else spec.dtype][1])
 
-    def flash_mma(q, k, v, mask, bias, kv_lengths, v_flags, out, lse, n_q, d, dv, group,
+    def flash_mma(q, k, v, mask, bias, kv_lengths, deferred, out, lse, n_q, d, dv, group,
                   heads_q, split_len, qk_scale, left, right, bottom_right, mask_steps,
                   bias_steps):
         words = cuda.shared.array(WORDS, uint32)  # two stages; Q lands in the second first
@@ -445,25 +468,21 @@ def kernel_source(spec):
         q_base = (int64(b) * heads_q + h) * n_q * d  # flat offsets of the head's matrices
         k_base = (int64(b) * heads_k + hk) * n_k * d
         v_base = (int64(b) * heads_k + hk) * n_k * dv
-        start_m = (cuda.gridDim.x - 1 - rank) * BLOCK_M
+        tile = cuda.gridDim.x - 1 - rank  # the query tile
+        start_m = tile * BLOCK_M
         whole_rows = start_m + BLOCK_M <= n_q  # every row of the tile exists
         row0 = start_m + w * 16 + lane // 4  # the lane's rows: row0 and row0 + 8
         kv_len = int64(kv_lengths[b])
-        init_rows(m_i, l_i, acc, lo, hi, row0, n_q, kv_len, left, right, bottom_right)
         split = cuda.blockIdx.z  # split-KV: this block's keys split * split_len .. + split_len
+        ob = split * q.shape[0] + b  # the batch index of out (split s of batch b at s * B + b)
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
             split, split_len, BLOCK_N)
-
-        copy_q(words, STAGE, q, q_base, start_m, n_q, d)  # group: Q
-        warp.cp_async_commit()
-        if first < last:  # group: the first key tile, into stage 0
-            copy_kv(words, 0, k, v, k_base, v_base, first, last, d, dv)
-        warp.cp_async_commit()
-        warp.cp_async_wait(1)  # this thread's part of Q has landed
-        cuda.syncthreads()  # Barrier: all of Q has landed.
-        load_q_fragments(words, STAGE, q_frag, lane, w)
-
+        if CAREFUL and deferred[ob, h, tile] == 0:
+            return  # the fast variant did this block
+        init_rows(m_i, l_i, acc, lo, hi, row0, n_q, kv_len, left, right, bottom_right)
+        load_q(words, q, k, v, q_base, k_base, v_base, start_m, first, last, n_q, d, dv,
+               q_frag, lane, w)
         stage = 0
         for start_n in range(first, last, BLOCK_N):
             warp.cp_async_wait(0)  # this thread's copies of this tile have landed
@@ -479,15 +498,21 @@ def kernel_source(spec):
             interior = start_n >= lo_last and start_n + BLOCK_N <= hi_first  # all rows see it
             scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0,
                            start_n, lo, hi, interior, whole_rows, n_q, lane)
-            nonfinite_v = v_flags[b, hk, start_n // BLOCK_N] != 0  # the pre-pass's flag
+            # the same answer for the whole block (tile_nonfinite's barrier)
+            nonfinite_v = CAREFUL and tile_nonfinite(words, at + K_TILE)
             online_softmax(s, m_i, l_i, acc, nonfinite_v)
-            if nonfinite_v:  # a NaN or an inf in this V tile (the same path for the block)
+            if nonfinite_v:
                 pv_seen_pairs(words, at + K_TILE, s, s, acc, lane)
             else:
                 pv(words, at + K_TILE, s, acc, lane)
             stage = 1 - stage
-        # split s of batch b at s * B + b (one split: out itself)
-        store_out(out, lse, m_i, l_i, acc, split * q.shape[0] + b, h, row0, n_q, dv, lane)
+        if not CAREFUL:  # a row that ended non-finite: the careful variant does the block
+            redo = cuda.syncthreads_or(0 if acc_finite(acc) else 1)  # (an int: it takes one)
+            if tid == 0:
+                deferred[ob, h, tile] = redo
+            if redo:
+                return
+        store_out(out, lse, m_i, l_i, acc, ob, h, row0, n_q, dv, lane)
 
     return check_parameters(flash_mma, MMA_ARG_NAMES)
 

@@ -38,8 +38,8 @@ memory beside K.
 
 Inputs holding a NaN or an inf: a product of mma.sync adds every pair of its tile, so a NaN in
 Q or dO (dkdv) or K (dq) of a pair that takes no part (P = -0.0, dS = 0: 0 * NaN) would reach
-the gradients. flash_attention_backward flags such tiles once per call (flash_mma's pre-pass,
-nonfinite_tiles, over q, dout and k, 32 rows a flag) and launches each kernel twice, in two
+the gradients. flash_attention_backward flags such tiles once per call (a pre-pass,
+nonfinite_tiles below, over q, dout and k, 32 rows a flag) and launches each kernel twice, in two
 variants: the fast one (what is drawn above) first reads the flags of every tile a block
 would use and, where one is set, leaves the block to the second (`deferred`); the second
 (MmaBwdSpec.nonfinite) runs only the deferred blocks, whose flagged tiles take flash_mma's
@@ -58,9 +58,9 @@ from .convert import CONVERTERS, float32, int64, uint32, uint64
 from .flash_fwd import (F_LOG2E, FASTMATH, NEG_INF, NO_PART, ZERO, check_parameters,
                         grid_order, kernel_part, key_range_device, key_tiles,
                         make_masked_score)
-from .flash_mma import (BLOCK_N as KEY_TILE, MMA_DTYPES, MMA_WIDTHS, PAD, WARPS,
+from .flash_mma import (BLOCK_N as KEY_TILE, EXPONENT_BITS, MMA_DTYPES, MMA_WIDTHS, PAD, WARPS,
                         make_copy_kv, make_copy_tile, make_load_q_fragments, make_mma_pair, make_pv,
-                        make_pv_seen_pairs, make_scale_and_mask, make_scores)
+                        make_pv_seen_pairs, make_scale_and_mask, make_scores, word_nonfinite)
 from .plain_bwd import DKDV_ARGS, DQ_ARGS
 
 
@@ -69,8 +69,8 @@ DEFERRED = ("deferred", "flags", "(B, H, blocks) uint8: 1 where a block's tiles 
 
 
 def _with_flags(args, before, *names):
-    """args with the pre-pass's flags of each of names (flash_mma.V_FLAGS's kind) and
-    DEFERRED inserted before the argument `before`."""
+    """args with the pre-pass's flags of each of names (nonfinite_tiles's) and DEFERRED
+    inserted before the argument `before`."""
     extra = tuple((f"{n}_flags", "flags", f"(B, H, rows / 32) uint8: 1 where 32 rows of {n} "
                    "hold a NaN or an inf") for n in names) + (DEFERRED,)
     return tuple(x for a in args for x in (extra + (a,) if a[0] == before else (a,)))
@@ -120,10 +120,55 @@ class MmaBwdSpec:
 
 
 def mma_bwd_specs():
-    """Every variant a call can launch: the PTX gate compiles each."""
+    """Every variant a call can launch, the pre-passes too: the PTX gate compiles each."""
     return [MmaBwdSpec(part, d, dv, dtype, m, n).check() for part in ("dkdv", "dq")
             for d in MMA_WIDTHS for dv in MMA_WIDTHS for dtype in MMA_DTYPES
-            for m in (False, True) for n in (False, True)]
+            for m in (False, True) for n in (False, True)] + [ScanSpec(t) for t in MMA_DTYPES]
+
+
+SCAN_THREADS = 128
+SCAN_UNROLL = 4  # loads a thread has in flight
+
+
+@dataclass(frozen=True)
+class ScanSpec:
+    """The pre-pass of one input dtype: which tiles of FLAG_ROWS rows hold a NaN or an inf."""
+
+    dtype: str
+
+
+def scan_source(spec):
+    """nonfinite_tiles(words, flags, rows, row_words): flags[b, h, t] = 1 where rows
+    t FLAG_ROWS .. + FLAG_ROWS - 1 of head (b, h) of x hold a NaN or an inf, else 0. words:
+    x's memory (C-contiguous, (B, H, rows, width)) as int32 words of two values, row_words =
+    width / 2 a row. One block a tile, each thread SCAN_UNROLL coalesced 4-byte loads at a
+    time and a bit test (no conversion, no division); x is read once, so the kernels test one
+    flag a tile."""
+    LOW = EXPONENT_BITS[spec.dtype]
+
+    def nonfinite_tiles(words, flags, rows, row_words):
+        t, head = cuda.blockIdx.x, cuda.blockIdx.y  # head: b * H + h
+        first_row = int64(t) * FLAG_ROWS
+        base = (int64(head) * rows + first_row) * row_words
+        n = min(FLAG_ROWS, rows - first_row) * row_words
+        bad = 0  # an int: syncthreads_or takes one
+        for i in range(cuda.threadIdx.x, n, SCAN_UNROLL * SCAN_THREADS):
+            for u in range(SCAN_UNROLL):
+                j = i + u * SCAN_THREADS
+                if j < n and word_nonfinite(words[base + j], LOW):
+                    bad = 1
+        bad = cuda.syncthreads_or(bad)
+        if cuda.threadIdx.x == 0:
+            heads = flags.shape[1]
+            flags[head // heads, head % heads, t] = bad
+
+    return nonfinite_tiles
+
+
+@lru_cache(maxsize=4)
+def scan_kernel(spec):
+    """The compiled pre-pass of a ScanSpec (through the on-disk compile cache)."""
+    return jit(scan_source(spec), ("mma-scan", spec.dtype), FASTMATH)
 
 
 @kernel_part

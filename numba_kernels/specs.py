@@ -13,11 +13,10 @@ from .compile_cache import jit
 from .convert import CONVERTERS
 from .flash_bwd import BwdSpec, bwd_kernel_source, bwd_specs
 from .flash_fwd import ARGS, FASTMATH, KernelSpec, kernel_source
-from .flash_mma import (MMA_ARGS, MMA_DTYPES, MmaSpec, ScanSpec, mma_kernel, mma_specs,
-                        scan_kernel, scan_source)
+from .flash_mma import MMA_ARGS, MMA_DTYPES, MmaSpec, mma_kernel, mma_specs
 from .flash_mma import kernel_source as mma_kernel_source
-from .flash_mma_bwd import (MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec, mma_bwd_kernel,
-                            mma_bwd_source, mma_bwd_specs)
+from .flash_mma_bwd import (MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec, ScanSpec, mma_bwd_kernel,
+                            mma_bwd_source, mma_bwd_specs, scan_kernel, scan_source)
 from .plain_bwd import (DELTA_ARGS, DKDV_ARGS, DQ_ARGS, PlainBwdSpec, plain_bwd_kernel,
                         plain_bwd_specs)
 from .plain_bwd import bwd_kernel_source as plain_bwd_source
@@ -142,7 +141,7 @@ def mma_signature(spec):
 
 
 def scan_signature(spec):
-    """Argument types of the tensor-core kernel's pre-pass (flash_mma.scan_source)."""
+    """Argument types of the tensor-core backward's pre-pass (flash_mma_bwd.scan_source)."""
     return (int32[::1], uint8[:, :, ::1], int64, int64)
 
 
@@ -231,8 +230,7 @@ def variants(forward, backward=None):
     if backward == "tuned":
         bwd += bwd_specs()
     if backward == "mma":
-        bwd += mma_bwd_specs() + [s for s in mma_specs() if isinstance(s, ScanSpec)
-                                  and s not in fwd[forward]]
+        bwd += mma_bwd_specs()
     return fwd[forward] + merges + bwd
 
 

@@ -46,6 +46,31 @@ def test_mma_kernel_passes_verify_cases(name, dtype):
     assert result.verdict == "pass", result.detail
 
 
+@pytest.mark.long
+@pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on the GPU")
+def test_a_block_whose_rows_end_non_finite_is_done_again_by_the_careful_variant(monkeypatch):
+    """V holds NaN in keys some rows see and others do not: the fast variant adds 0 * NaN for
+    the pairs that take no part, so it defers the block to the careful variant, which takes
+    the slow path where a V tile holds a NaN (test_mma_kernel_passes_verify_cases: the case
+    passes). When no block is deferred (acc_finite stood in by one that finds every row
+    finite) verify fails it."""
+    from numba_kernels import flash_mma
+    from numba_kernels.flash_fwd import kernel_part
+
+    def never_again(VB):
+        return kernel_part(lambda acc: True)
+
+    monkeypatch.setattr(flash_mma, "make_acc_finite", never_again)
+    flash_mma.mma_kernel.cache_clear()
+    try:
+        name = "v:nan in keys some rows see (window=(3, 2))"
+        case = next(c for c in battery("quick", dtypes=("bfloat16",)) if c.name == name)
+        result = run_case(load("numba-mma"), replace(case, B=1), seed=3)
+    finally:
+        flash_mma.mma_kernel.cache_clear()
+    assert result.verdict == "fail" and "non-finite" in result.detail, result.detail
+
+
 @pytest.mark.parametrize("dtype,D,phrase", [
     ("float32", 64, "dtype float32"),
     ("float16", 12, "head dims D=12"),
@@ -112,11 +137,11 @@ def test_mma_split_kv_equals_one_range():
 @pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on the GPU")
 @pytest.mark.parametrize("dtype,exponent", [("float16", 0x7C00), ("bfloat16", 0x7F80)])
 def test_the_pre_pass_flags_exactly_the_tiles_holding_nan_or_inf(dtype, exponent):
-    """nonfinite_tiles over V (1, 2, 33, 8) as 16-bit patterns (33 keys: a tile and one key):
-    inf in a word's high value, NaN in a low one, -inf in the one-key tile; the largest finite
-    values and a subnormal elsewhere must not be flagged."""
+    """The backward's nonfinite_tiles over x (1, 2, 33, 8) as 16-bit patterns (33 rows: a tile
+    and one row): inf in a word's high value, NaN in a low one, -inf in the one-row tile; the
+    largest finite values and a subnormal elsewhere must not be flagged."""
     from numba import cuda
-    from numba_kernels.flash_mma import BLOCK_N, SCAN_THREADS, ScanSpec, scan_kernel
+    from numba_kernels.flash_mma_bwd import FLAG_ROWS, SCAN_THREADS, ScanSpec, scan_kernel
     bits = np.full((1, 2, 33, 8), exponent - 1, np.uint16)  # the largest finite value
     bits[0, 1, 5, 3] = 1  # a subnormal
     cases = {(0, 0, 7, 7): exponent, (0, 1, 0, 0): exponent | 0x40,  # inf, NaN
@@ -128,5 +153,5 @@ def test_the_pre_pass_flags_exactly_the_tiles_holding_nan_or_inf(dtype, exponent
     scan_kernel(ScanSpec(dtype))[(2, 2), SCAN_THREADS](words, flags, 33, 4)
     expected = np.zeros((1, 2, 2), np.uint8)
     for b, h, key, _ in cases:
-        expected[b, h, key // BLOCK_N] = 1
+        expected[b, h, key // FLAG_ROWS] = 1
     np.testing.assert_array_equal(flags.copy_to_host(), expected)

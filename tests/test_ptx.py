@@ -2,7 +2,7 @@
 instructions or shared memory over the static (or the dynamic) limit
 (numba_kernels/ptx_report.py).
 
-Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling the 509
+Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling the 541
 kernels (numba_kernels.specs.gate_specs) takes about 9 minutes on 2 cores: tests/conftest.py starts the report as soon as this
 test is collected, on every core beside the other tests, and runs this test last, to collect
 its result. The report caches each variant's figures under a key of everything they depend
@@ -152,8 +152,8 @@ def test_the_gate_lists_every_variant_a_call_can_launch():
     kernel pad to pad()'s widths, the tuned backward to bwd_width's, the tensor-core kernels
     (forward and backward) to mma_width's."""
     from numba_kernels.flash_bwd import BwdSpec, bwd_width
-    from numba_kernels.flash_mma import MmaSpec, ScanSpec, mma_plan, mma_width
-    from numba_kernels.flash_mma_bwd import MmaBwdSpec
+    from numba_kernels.flash_mma import MmaSpec, mma_plan, mma_width
+    from numba_kernels.flash_mma_bwd import MmaBwdSpec, ScanSpec
     from numba_kernels.plain_bwd import PlainBwdSpec
     from numba_kernels.plain_fwd import PlainSpec
     from numba_kernels.specs import DTYPES, MAX_HEAD_DIM, choose_spec, gate_specs, pad
@@ -171,8 +171,9 @@ def test_the_gate_lists_every_variant_a_call_can_launch():
                     wanted += [BwdSpec(part, bwd_width(d, dv), bwd_width(d, dv), dtype, m)
                                for part in ("dkdv", "dq")]
                     if mma_plan(SimpleNamespace(d=d, dv=dv, dtype=dtype)) is None:
-                        wanted += [MmaSpec(mma_width(d), mma_width(dv), dtype, m, p)
-                                   for p in (False, True)] + [ScanSpec(dtype)]
+                        wanted += [MmaSpec(mma_width(d), mma_width(dv), dtype, m, p, c)
+                                   for p in (False, True) for c in (False, True)]
+                        wanted += [ScanSpec(dtype)]
                         wanted += [MmaBwdSpec(part, mma_width(d), mma_width(dv), dtype, m, n)
                                    for part in ("dkdv", "dq") for n in (False, True)]
                     missing |= set(wanted) - gate

@@ -242,10 +242,10 @@ def _warm_kernels(forward, backward, say):
 
 
 def _numba_mma():
-    """Our tensor-core kernels alone: the forward of numba_kernels/flash_mma.py and the
-    backward of flash_mma_bwd.py (flash_attention_backward(kernel="mma"): tiles holding a
-    NaN or an inf take its nonfinite variant); float16 and bfloat16, head dims multiples of 8
-    up to 128."""
+    """Our tensor-core kernels alone: the forward of numba_kernels/flash_mma.py (blocks
+    where a row ends non-finite are done again by its careful variant) and the backward of
+    flash_mma_bwd.py (flash_attention_backward(kernel="mma"): tiles holding a NaN or an inf
+    take its nonfinite variant); float16 and bfloat16, head dims multiples of 8 up to 128."""
     from numba_kernels import flash_attention_backward, mma_attention
     from numba_kernels.convert import SIMULATOR
     from numba_kernels.flash_mma import MMA_DTYPES, MMA_WIDTHS
