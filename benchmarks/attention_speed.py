@@ -8,7 +8,11 @@ kernel, 16-bit dtypes), torch SDPA forced to each backend (flash, efficient, cud
 and the fp32 (TF32 off) and bf16 matrix-product ceilings (torch). Shapes
 (B, H, N, D) = (4, 16, N, 64) and (2, 16, N, 128), causal and not, per dtype; decoding shapes
 (Nq = 1, Nk up to 32768, B * H = 64), with and without split-KV. CUDA events, warm-up,
-median of repeats (about 0.3 s of repeats each, at least 3), inputs redrawn per shape.
+median of repeats (about 0.3 s of repeats each, at least 3), inputs redrawn per shape: each
+call timed alone after a synchronize (ms: the GPU waits for the call's host work), and ten
+calls back to back between two events (ms_back_to_back, over ten: a call's host work hides
+behind the previous call's kernels where it is shorter, as in a training loop; calls of less
+than BACK_TO_BACK_MS only, where a call's fixed host work is a visible part of it).
 FLOPs = 4 B H Nq Nk D, halved for causal.
 --sweep times the kernel's tile variants on two shapes first.
 Writes DIR/attention_speed.json and DIR/attention_speed.png; prints a table.
@@ -33,6 +37,7 @@ from numba_kernels.flash_fwd import KernelSpec  # noqa: E402
 from reference.dtypes import KERNEL_DTYPES, torch_dtype  # noqa: E402
 
 DTYPES = {name: torch_dtype(name) for name in KERNEL_DTYPES}
+BACK_TO_BACK_MS = 20
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 
@@ -55,6 +60,22 @@ def time_ms(fn, target_s=0.3):
         b.synchronize()
         times.append(a.elapsed_time(b))
     return float(np.median(times)), reps
+
+
+def events_ms(fn, reps, repeats=7):
+    """Median over `repeats` of the ms between CUDA events around `reps` calls of fn after a
+    synchronize, divided by reps (reps > 1: back to back)."""
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / reps)
+    return float(np.median(out))
 
 
 def measure(fn):
@@ -105,12 +126,14 @@ def run_shape(rows, dtype, B, Hq, Hk, Nq, Nk, D, causal, impls, ceiling, spec=No
     for name, fn in calls.items():
         ms, reps, mem, err = measure(fn)
         tf = flops / ms / 1e9 if ms else None
+        back = events_ms(fn, 10, 5) if ms and ms < BACK_TO_BACK_MS else None
         row = dict(impl=name, dtype=dtype, B=B, Hq=Hq, Hk=Hk, Nq=Nq, Nk=Nk, D=D, causal=causal,
                    ms=ms, tflops=tf, frac_fp32_ceiling=tf / ceiling if tf else None,
-                   extra_mem_bytes=mem, repeats=reps, error=err,
+                   ms_back_to_back=back, extra_mem_bytes=mem, repeats=reps, error=err,
                    spec=repr(spec) if spec else None)
         rows.append(row)
-        fig = f"{ms:9.3f} ms {tf:7.2f} TF/s {mem / 2**20:9.0f} MiB" if ms else f"  {err}"
+        fig = (f"{ms:9.3f} ms {tf:7.2f} TF/s {mem / 2**20:9.0f} MiB, back to back "
+               + (f"{back:.3f} ms" if back else "-") if ms else f"  {err}")
         print(f"{name:10s} {dtype:8s} B={B:2d} H={Hq:2d} Nq={Nq:5d} Nk={Nk:5d} D={D:3d} "
               f"causal={causal!s:5s} {fig}", flush=True)
     del q, k, v
@@ -145,6 +168,22 @@ def decode(rows, impls, ceiling):
                 run_shape(rows, dtype, 8, 8, 8, 1, nk, 128, False, ["numba"], ceiling,
                           label="numba-1split", num_splits=1)
             run_shape(rows, dtype, 8, 8, 8, 1, nk, 128, False, impls, ceiling)
+
+
+def causal_speedups(rows):
+    """Lines of each implementation's causal speed-up (the full shape's time over the causal
+    one's), per call and back to back, for every shape measured both ways."""
+    times = {(r["impl"], r["dtype"], r["B"], r["Hq"], r["Nq"], r["Nk"], r["D"], r["causal"]):
+             (r["ms"], r["ms_back_to_back"]) for r in rows if r["ms"]}
+    lines = []
+    for key, (full, full_back) in times.items():
+        if key[-1] or key[:-1] + (True,) not in times:
+            continue
+        causal, causal_back = times[key[:-1] + (True,)]
+        back = f"{full_back / causal_back:.2f}x" if full_back and causal_back else "-"
+        lines.append(f"causal speed-up {key[0]:10s} {key[1]:8s} B={key[2]} H={key[3]} "
+                     f"N={key[4]} D={key[6]}: call {full / causal:.2f}x, back to back {back}")
+    return lines
 
 
 def plot(rows, path):
@@ -212,6 +251,7 @@ def main():
         json.dump(dict(device=torch.cuda.get_device_name(), fp32_ceiling_tflops=ceiling,
                        bf16_ceiling_tflops=bf16_ceiling, rows=rows), f, indent=1)
     plot(rows, os.path.join(a.out, "attention_speed.png"))
+    print("\n".join(causal_speedups(rows)))
     print(f"\nfp32 ceiling {ceiling:.1f} TF/s; {len(rows)} measurements in "
           f"{time.time() - t_start:.0f} s")
 

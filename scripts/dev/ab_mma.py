@@ -5,7 +5,7 @@ of the package, side by side.
     python scripts/dev/ab_mma.py [--backward]
 
 Both through their own mma_attention or flash_attention_backward(kernel="mma") (each version's
-whole call: checks, launches, the pre-passes), on the same inputs. Medians of CUDA events,
+whole call: checks and every launch), on the same inputs. Medians of CUDA events,
 alternating old and new three times; the largest difference between the two outputs as a
 sanity check; last, each version's causal speed-up (full time over causal time). AB_ONLY="N:D,..."
 keeps only the shapes of those Nq and head dims.

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from benchmarks.attention_speed import time_ms  # noqa: E402
+from benchmarks.attention_speed import events_ms, time_ms  # noqa: E402
 
 
 def main_launch(api, q, k, v, causal):
@@ -41,21 +41,6 @@ def main_launch(api, q, k, v, causal):
         api.launch = real
     torch.cuda.synchronize()
     return partial(real, *[a for a in seen if type(a[1]).__name__ in ("KernelSpec", "MmaSpec")][0])
-
-
-def events_ms(fn, reps, repeats=7):
-    """Median over `repeats` of the ms between events around `reps` calls of fn, over reps."""
-    out = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / reps)
-    return float(np.median(out))
 
 
 def host_ms(fn, reps=30):

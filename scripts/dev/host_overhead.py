@@ -8,7 +8,8 @@ For each shape, three figures in milliseconds:
   the GPU waits for it);
 - kernel: the call's main kernel launched ten times back to back with the arguments of one
   call, events around the ten, divided by ten (the GPU's time, when launches queue faster
-  than the kernel runs; a split-KV merge and the tensor-core kernel's pre-pass are not in it);
+  than the kernel runs; a split-KV merge and the tensor-core kernel's careful variant are
+  not in it);
 - launch: host milliseconds of that launch alone (the api's `launch` function).
 Then a cProfile of 50 calls of the first shape (the functions with the most own time), written
 to DIR/host_profile_new.txt (and _old.txt) with its first lines printed. --dtype (default
