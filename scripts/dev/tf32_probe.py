@@ -17,6 +17,8 @@ TF32 fragments of m16n8k8 (PTX ISA, "Matrix Fragments for mma.m16n8k8", .tf32), 
     B (8x8, col):  b0 = B[t, g]  b1 = B[t+4, g]
     C, D (16x8):   c0, c1 = C[g, 2t:2t+2]   c2, c3 = C[g+8, 2t:2t+2]
 """
+import os
+import sys
 import time
 
 import numpy as np
@@ -24,6 +26,9 @@ from llvmlite import ir
 from numba import cuda
 from numba.cuda.extending import intrinsic
 from numba.cuda.types import UniTuple, float32, uint32
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from numba_kernels.warp import mma_f16  # noqa: E402  (m16n8k16, float16 operands)
 
 
 def _asm(text, constraints, n_out, in_types, out_type):
@@ -46,15 +51,6 @@ def mma_tf32(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     ins = [uint32] * 6 + [float32] * 4
     return UniTuple(float32, 4)(*ins), _asm(
         "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, "
-        "{$8,$9}, {$10,$11,$12,$13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", 4, ins, float32)
-
-
-@intrinsic
-def mma_f16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-    """D = A B + C, m16n8k16, float16 operands, float32 accumulators."""
-    ins = [uint32] * 6 + [float32] * 4
-    return UniTuple(float32, 4)(*ins), _asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, "
         "{$8,$9}, {$10,$11,$12,$13};", "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f", 4, ins, float32)
 
 
