@@ -30,8 +30,8 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from benchmarks.attention_speed import time_ms  # noqa: E402
-from scripts.dev.call_timeline import events_ms, host_ms, main_launch  # noqa: E402
+from benchmarks.attention_speed import events_ms, time_ms  # noqa: E402
+from scripts.dev.call_timeline import host_ms, main_launch  # noqa: E402
 from numba_kernels import api  # noqa: E402
 
 try:
