@@ -360,6 +360,11 @@ class _NumpyIO:
         int32 words, no copy: the pre-pass reads two values a load."""
         return x.view(np.int32).reshape(x.size // 2)
 
+    @staticmethod
+    def flat(x):
+        """x (from dev: C-contiguous) as one dimension, no copy."""
+        return x.reshape(x.size)
+
     def mask(self, mask):
         if mask is None:
             return cuda.to_device(np.ones((1, 1, 1, 1), np.uint8)), (0, 0, 0, 0)
@@ -424,6 +429,10 @@ class _TorchIO:
 
     def words(self, x):
         return x.view(self.torch.int32).reshape(-1)
+
+    @staticmethod
+    def flat(x):
+        return x.reshape(-1)
 
     def mask(self, mask):
         if mask is None:

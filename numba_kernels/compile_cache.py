@@ -39,7 +39,7 @@ from .convert import SIMULATOR
 SOURCES = ("numba_kernels/flash_fwd.py", "numba_kernels/flash_bwd.py",
            "numba_kernels/plain_fwd.py", "numba_kernels/plain_bwd.py", "numba_kernels/convert.py",
            "numba_kernels/specs.py", "numba_kernels/split_kv.py", "numba_kernels/flash_mma.py",
-           "numba_kernels/flash_mma_bwd.py", "numba_kernels/warp.py",
+           "numba_kernels/flash_mma_bwd.py", "numba_kernels/halves.py", "numba_kernels/warp.py",
            "numba_kernels/numba_internals.py",
            "numba_kernels/compile_cache.py", "reference/contract.py", "reference/_xp.py",
            "reference/dtypes.py")

@@ -99,11 +99,12 @@ def mma_width(d):
     return next((w for w in MMA_WIDTHS if w >= d), None)
 
 
-def mma_plan(pb):
+def mma_plan(pb, dtypes=MMA_DTYPES):
     """Why the tensor-core kernel does not apply to problem pb (reference.contract's), or
-    None: 16-bit inputs, head dims multiples of 8 (whole 16-byte copies) up to the widest."""
-    if pb.dtype not in MMA_DTYPES:
-        return f"dtype {pb.dtype}: it takes {' and '.join(MMA_DTYPES)}"
+    None: inputs of `dtypes` (the forward's: 16-bit), head dims multiples of 8 (whole
+    16-byte copies) up to the widest."""
+    if pb.dtype not in dtypes:
+        return f"dtype {pb.dtype}: it takes {', '.join(dtypes)}"
     if pb.d % 8 or pb.dv % 8 or max(pb.d, pb.dv) > MMA_WIDTHS[-1]:
         return (f"head dims D={pb.d}, Dv={pb.dv}: it takes multiples of 8 up to "
                 f"{MMA_WIDTHS[-1]}")

@@ -1,7 +1,9 @@
 """The FlashAttention-2 backward on tensor cores, for float16 and bfloat16 inputs: the algorithm
 of flash_bwd.py (reference/tiled_backward.py) with every product done by mma.sync (warp.py),
 float32 accumulation, and P and dS rounded to the input dtype where they enter a product (the
-forward, flash_mma.py, rounds P the same way). Two kernels after plain_bwd's delta kernel
+forward, flash_mma.py, rounds P the same way). float32 inputs (MmaBwdSpec dtype "float32")
+go as two float16 halves a value, each product three mma.sync (halves.py): every tile below
+has its lo half beside it (MmaBwdSpec.layout), in dynamic shared memory. Two kernels after plain_bwd's delta kernel
 (delta = rowsum(dO * O)); their arguments are the tuned kernels' (plain_bwd.DKDV_ARGS,
 DQ_ARGS) with the pre-pass's flags and `deferred` (MMA_DKDV_ARGS, MMA_DQ_ARGS; below).
 
@@ -52,7 +54,7 @@ from functools import lru_cache
 
 from numba import cuda
 
-from . import warp
+from . import halves, warp
 from .compile_cache import jit
 from .convert import CONVERTERS, float32, int64, uint32, uint64
 from .flash_fwd import (F_LOG2E, FASTMATH, NEG_INF, NO_PART, ZERO, check_parameters,
@@ -66,22 +68,27 @@ from .plain_bwd import DKDV_ARGS, DQ_ARGS
 
 DEFERRED = ("deferred", "flags", "(B, H, blocks) uint8: 1 where a block's tiles hold a NaN or "
             "an inf: written by the fast variant, read by the nonfinite one")
+FACTORS = ("factors", "factors", "(8,) float32: float32 inputs' scales c_q, c_k, c_v, c_dout "
+           "and their inverses (halves.py); not read for 16-bit inputs")
 
 
 def _with_flags(args, before, *names):
     """args with the pre-pass's flags of each of names (nonfinite_tiles's) and DEFERRED
     inserted before the argument `before`."""
     extra = tuple((f"{n}_flags", "flags", f"(B, H, rows / 32) uint8: 1 where 32 rows of {n} "
-                   "hold a NaN or an inf") for n in names) + (DEFERRED,)
+                   "hold a NaN or an inf") for n in names) + (DEFERRED, FACTORS)
     return tuple(x for a in args for x in (extra + (a,) if a[0] == before else (a,)))
 
 
-MMA_DKDV_ARGS = _with_flags(DKDV_ARGS, "dk", "q", "dout")
-MMA_DQ_ARGS = _with_flags(DQ_ARGS, "dq", "k")
+MMA_DKDV_ARGS = _with_flags(DKDV_ARGS, "dk", "q", "dout", "k")
+MMA_DQ_ARGS = _with_flags(DQ_ARGS, "dq", "k", "q")
 FLAG_ROWS = KEY_TILE  # rows of q, k or dout a pre-pass flag covers
 
 BLOCK = 16 * WARPS  # keys of a dkdv block, query rows of a dq block
 THREADS = 32 * WARPS
+
+
+MMA_BWD_DTYPES = MMA_DTYPES + ("float32",)  # float32: each operand as two float16 halves
 
 
 @dataclass(frozen=True)
@@ -91,16 +98,33 @@ class MmaBwdSpec:
     part: str  # "dkdv" or "dq"
     d: int  # head dims, padded to MMA_WIDTHS
     dv: int
-    dtype: str
+    dtype: str  # the inputs' dtype; float32 is multiplied as float16 halves (halves.py)
     has_mask: bool
     nonfinite: bool = False  # the variant for blocks whose tiles hold a NaN or an inf
 
     def check(self):
         if self.part not in ("dkdv", "dq") or self.d not in MMA_WIDTHS \
-                or self.dv not in MMA_WIDTHS or self.dtype not in MMA_DTYPES:
+                or self.dv not in MMA_WIDTHS or self.dtype not in MMA_BWD_DTYPES:
             raise ValueError(f"MmaBwdSpec: part dkdv or dq, d and dv in {MMA_WIDTHS}, dtype in "
-                             f"{MMA_DTYPES}; got {self}")
+                             f"{MMA_BWD_DTYPES}; got {self}")
         return self
+
+    @property
+    def ships(self):
+        """Whether calls launch it: not float32 with a mask or bias above width 64, whose
+        registers spill (backward.mma_bwd_plan sends those calls to the tuned kernels)."""
+        return not (self.halves and self.has_mask and max(self.d, self.dv) > 64)
+
+    @property
+    def halves(self):
+        """Whether each operand is two float16 halves (float32 inputs)."""
+        return self.dtype == "float32"
+
+    @property
+    def dynamic_shared_bytes(self):
+        """Bytes of dynamic shared memory a launch passes: the halves' tiles take more than
+        the static 48 KB; 0 for the 16-bit variants (a static array)."""
+        return 4 * self.layout["words"] if self.halves else 0
 
     @property
     def qb(self):
@@ -108,22 +132,37 @@ class MmaBwdSpec:
         return 32 if max(self.d, self.dv) <= 64 else 16
 
     @property
-    def words(self):
-        """(row words of a Q/K tile, of a V/dO tile, where the stages start, words of a
-        stage, total words of shared memory)."""
+    def layout(self):
+        """Where the shared tiles start, in 32-bit words (the module's docstring draws them;
+        with halves each tile's lo half follows its hi one, `*_lo` words after it, or lives
+        at `*_lo_at`): row words of Q/K and V/dO tiles, offsets, and the total `words`."""
         k_row, v_row = (self.d + PAD) // 2, (self.dv + PAD) // 2
+        n = 2 if self.halves else 1
         if self.part == "dkdv":
-            stages_at, stage = BLOCK * k_row, self.qb * (k_row + v_row)
-            return k_row, v_row, stages_at, stage, stages_at + max(2 * stage, BLOCK * v_row)
-        stage = KEY_TILE * (k_row + v_row)
-        return k_row, v_row, 0, stage, max(2 * stage, BLOCK * (k_row + v_row))
+            qb = self.qb
+            v_lo_at = n * BLOCK * k_row  # V's lo half stays (its hi half goes to registers)
+            stages_at = v_lo_at + (BLOCK * v_row if self.halves else 0)
+            stage = n * qb * (k_row + v_row)
+            return dict(k_row=k_row, v_row=v_row, k_lo=BLOCK * k_row, v_lo_at=v_lo_at,
+                        stages_at=stages_at, q_lo=qb * k_row, do_at=n * qb * k_row,
+                        do_lo=qb * v_row, stage=stage,
+                        words=stages_at + max(2 * stage, BLOCK * v_row))
+        stage = n * KEY_TILE * (k_row + v_row)
+        q_lo_at = max(2 * stage, BLOCK * (k_row + v_row))  # after the stages Q and dO land in
+        q_hi_at = q_lo_at + (BLOCK * (k_row + v_row) if self.halves else 0)
+        exact = self.halves and self.nonfinite  # Q's hi half kept too, for scores_exact
+        return dict(k_row=k_row, v_row=v_row, stage=stage, k_lo=KEY_TILE * k_row,
+                    v_at=n * KEY_TILE * k_row, v_lo=KEY_TILE * v_row, q_lo_at=q_lo_at,
+                    do_at=BLOCK * k_row, do_lo_at=q_lo_at + BLOCK * k_row, q_hi_at=q_hi_at,
+                    words=q_hi_at + (BLOCK * k_row if exact else 0))
 
 
 def mma_bwd_specs():
     """Every variant a call can launch, the pre-passes too: the PTX gate compiles each."""
-    return [MmaBwdSpec(part, d, dv, dtype, m, n).check() for part in ("dkdv", "dq")
-            for d in MMA_WIDTHS for dv in MMA_WIDTHS for dtype in MMA_DTYPES
-            for m in (False, True) for n in (False, True)] + [ScanSpec(t) for t in MMA_DTYPES]
+    return [s for s in (MmaBwdSpec(part, d, dv, dtype, m, n).check() for part in ("dkdv", "dq")
+                        for d in MMA_WIDTHS for dv in MMA_WIDTHS for dtype in MMA_BWD_DTYPES
+                        for m in (False, True) for n in (False, True)) if s.ships] \
+        + [ScanSpec(t) for t in MMA_DTYPES] + halves.halves_specs()
 
 
 SCAN_THREADS = 128
@@ -217,15 +256,22 @@ def make_scores_t(KDIM, A_ROW, B_ROW, COLS, mma):
 
 
 @kernel_part
-def row_stats(lse_in, delta, b, h, row, n_q, ok):
-    """(lse in log2 units, delta) of query row `row` where ok and row < n_q, else zeros: what
-    a thread copies of a query tile's statistics."""
+def own_flagged(flags, b, h, start):
+    """Whether BLOCK = 2 FLAG_ROWS rows from `start` of head h are flagged in `flags`."""
+    f = start // FLAG_ROWS
+    return flags[b, h, f] != 0 or (f + 1 < flags.shape[2] and flags[b, h, f + 1] != 0)
+
+
+@kernel_part
+def row_stats(lse_in, delta, b, h, row, n_q, ok, delta_factor):
+    """(lse in log2 units, delta * delta_factor) of query row `row` where ok and row < n_q,
+    else zeros: what a thread copies of a query tile's statistics."""
     if ok and row < n_q:
-        return lse_in[b, h, row] * F_LOG2E, delta[b, h, row]
+        return lse_in[b, h, row] * F_LOG2E, delta[b, h, row] * delta_factor
     return ZERO, ZERO
 
 
-def make_kv_probabilities(NB, masked_score, HAS_MASK):
+def make_kv_probabilities(NB, masked_score, HAS_MASK, P_FACTOR, DS_FACTOR):
     @kernel_part
     def probabilities(s, dp, stats, stage, qk_scale, mask, bias, mask_steps, bias_steps, b,
                       h, key0, start_q, n_q, kv_len, left, right, bottom_right, interior,
@@ -235,7 +281,8 @@ def make_kv_probabilities(NB, masked_score, HAS_MASK):
         start_q + 8 nb + 2 t + c, whose lse and delta are at stats[stage, :, 8 nb + 2 t + c].
         Where the row does not see the key: P = NO_PART, dS = 0 (selected). An interior tile
         without mask or bias is scaled only; elsewhere each column's key range is computed
-        here (masked_score's test)."""
+        here (masked_score's test). P and dS leave times P_FACTOR and DS_FACTOR (1 for
+        16-bit inputs; halves.py's scales for float32)."""
         t = lane % 4
         for nb in range(NB):
             for c in range(2):
@@ -252,8 +299,9 @@ def make_kv_probabilities(NB, masked_score, HAS_MASK):
                         x = masked_score(x, mask, bias, mask_steps, bias_steps, b, h, col,
                                          key0 + 8 * half, lo, hi, False, n_q)
                     p = NO_PART if x == NEG_INF else math.exp2(x - lse_col)
-                    dp[nb, e] = ZERO if x == NEG_INF else p * (dp[nb, e] - delta_col)
-                    s[nb, e] = p
+                    dp[nb, e] = ZERO if x == NEG_INF else \
+                        p * (dp[nb, e] - delta_col) * DS_FACTOR
+                    s[nb, e] = p * P_FACTOR
 
     return probabilities
 
@@ -295,14 +343,14 @@ def make_load_query_block(copy_q, copy_do, load_q_fragments, load_do_fragments, 
     return load_query_block
 
 
-def make_copy_query_tile(copy_q, copy_do, Q_TILE):
+def make_copy_query_tile(copy_q, copy_do, DO_AT):
     @kernel_part
     def copy_query_tile(words, at, q, dout, b, heads_q, h, start_q, n_q, d, d_v):
-        """Rows start_q .. of head h's Q and dO to the stage at word `at` (dO after Q), one
-        group of asynchronous copies."""
+        """Rows start_q .. of head h's Q and dO to the stage at word `at` (dO DO_AT words
+        after Q), one group of asynchronous copies."""
         at_q = (int64(b) * heads_q + h) * n_q
         copy_q(words, at, q, at_q * d, start_q, n_q, d)
-        copy_do(words, at + Q_TILE, dout, at_q * d_v, start_q, n_q, d_v)
+        copy_do(words, at + DO_AT, dout, at_q * d_v, start_q, n_q, d_v)
         warp.cp_async_commit()
 
     return copy_query_tile
@@ -323,7 +371,7 @@ def make_interior(QB):
     return interior
 
 
-def make_kv_products(dv_product, dk_product, dv_seen_pairs, dk_seen_pairs, Q_TILE, NONFINITE):
+def make_kv_products(dv_product, dk_product, dv_seen_pairs, dk_seen_pairs, DO_AT, NONFINITE):
     @kernel_part
     def products(words, at, s, dp, dk_acc, dv_acc, q_flags, dout_flags, b, h, start_q, lane):
         """dV += P^T dO, dK += dS^T Q for the stage at word `at`: by mma.sync, or (the
@@ -331,10 +379,10 @@ def make_kv_products(dv_product, dk_product, dv_seen_pairs, dk_seen_pairs, Q_TIL
         part, in float32."""
         flag = start_q // FLAG_ROWS  # the same for the block: one path
         if not NONFINITE or (q_flags[b, h, flag] == 0 and dout_flags[b, h, flag] == 0):
-            dv_product(words, at + Q_TILE, s, dv_acc, lane)
+            dv_product(words, at + DO_AT, s, dv_acc, lane)
             dk_product(words, at, dp, dk_acc, lane)
         else:
-            dv_seen_pairs(words, at + Q_TILE, s, s, dv_acc, lane)
+            dv_seen_pairs(words, at + DO_AT, s, s, dv_acc, lane)
             dk_seen_pairs(words, at, s, dp, dk_acc, lane)
 
     return products
@@ -342,13 +390,13 @@ def make_kv_products(dv_product, dk_product, dv_seen_pairs, dk_seen_pairs, Q_TIL
 
 @kernel_part
 def deferred_block(deferred, b, h, tile, flags_a, flags_b, h_first, heads, first_row,
-                   last_row, tid):
+                   last_row, tid, own_bad):
     """Whether this block (its tile of head h) leaves its work to the nonfinite variant: the
     flags of rows first_row .. last_row (inclusive; none when last_row < first_row) of heads
-    h_first .. + heads in flags_a or flags_b are read by the block's threads side by side;
-    thread 0 records the answer in deferred[b, h, tile] for the nonfinite variant. A
-    barrier (every thread of the block calls it)."""
-    bad = 0
+    h_first .. + heads in flags_a or flags_b are read by the block's threads side by side,
+    own_bad (its own tile's flags) counts too; thread 0 records the answer in
+    deferred[b, h, tile] for the nonfinite variant. A barrier (every thread calls it)."""
+    bad = 1 if own_bad else 0
     if last_row >= first_row:  # no run-time division (a 64-bit one is a subroutine)
         first, last = first_row // FLAG_ROWS, last_row // FLAG_ROWS
         for hh in range(h_first, h_first + heads):
@@ -361,17 +409,18 @@ def deferred_block(deferred, b, h, tile, flags_a, flags_b, h_first, heads, first
     return bad != 0
 
 
-def make_q_probabilities(NB):
+def make_q_probabilities(NB, DS_FACTOR):
     @kernel_part
     def q_probabilities(s, dp, lse_r, delta_r):
-        """P = exp2(S - lse) in place of S (scaled and masked), dS = P (dP - delta) in place
-        of dP, for the lane's rows (element e: row e // 2); where the row does not see the
-        key (S = -inf): P = NO_PART, dS = 0."""
+        """P = exp2(S - lse) in place of S (scaled and masked), dS = P (dP - delta) DS_FACTOR
+        in place of dP, for the lane's rows (element e: row e // 2); where the row does not
+        see the key (S = -inf): P = NO_PART, dS = 0."""
         for nb in range(NB):
             for e in range(4):
                 x = s[nb, e]
                 p = NO_PART if x == NEG_INF else math.exp2(x - lse_r[e // 2])
-                dp[nb, e] = ZERO if x == NEG_INF else p * (dp[nb, e] - delta_r[e // 2])
+                dp[nb, e] = ZERO if x == NEG_INF else \
+                    p * (dp[nb, e] - delta_r[e // 2]) * DS_FACTOR
                 s[nb, e] = p
 
     return q_probabilities
@@ -403,40 +452,89 @@ def zero(acc):
 
 
 def _products(spec):
-    """(mma, pack, unpack) of the variant's 16-bit dtype (warp.py)."""
-    return (warp.mma_f16, warp.pack_f16, warp.unpack_f16) if spec.dtype == "float16" else \
-        (warp.mma_bf16, warp.pack_bf16, warp.unpack_bf16)
+    """(mma, pack, unpack) of the variant's 16-bit dtype (warp.py); float16 for halves."""
+    return (warp.mma_bf16, warp.pack_bf16, warp.unpack_bf16) if spec.dtype == "bfloat16" \
+        else (warp.mma_f16, warp.pack_f16, warp.unpack_f16)
+
+
+def _copier(spec, rows, width, row_words, lo_words, hi_again=None):
+    """flash_mma's copy_tile, or with halves both halves (the lo one lo_words further, the
+    hi one again hi_again further where given)."""
+    if spec.halves:
+        return halves.make_copy_tile_halves(rows, width, row_words, lo_words, hi_again)
+    return make_copy_tile(rows, width, row_words)
+
+
+def make_either(scores, exact, EXACT):
+    """scores_t, or where EXACT and the call says `slow` (a tile pair holding a NaN or an
+    inf), halves.scores_exact."""
+    exact = exact if EXACT else scores
+
+    @kernel_part
+    def either(words, a_at, b_at, c, lane, w, slow):
+        if EXACT and slow:
+            exact(words, a_at, b_at, c, lane, w)
+        else:
+            scores(words, a_at, b_at, c, lane, w)
+
+    return either
+
+
+def _scales(spec):
+    """(P's, dS's constant factors, call_factors): halves.py's for float32, else ones."""
+    if spec.halves:
+        ds = halves.ds_factor(spec.dv)
+        return halves.P_FACTOR, ds, halves.make_factors(True, ds)
+    one = float32(1.0)
+    return one, one, halves.make_factors(False, one)
 
 
 def dkdv_kernel_source(spec):
     """The dK, dV kernel of variant `spec` (part "dkdv"): one block per 64 keys."""
     spec.check()
     D, DV, QB, NB = spec.d, spec.dv, spec.qb, spec.qb // 8
-    K_ROW, V_ROW, STAGES_AT, STAGE, WORDS = spec.words
-    Q_TILE = QB * K_ROW  # words of a stage's Q tile: its dO tile follows
+    lay = spec.layout
+    K_ROW, V_ROW, STAGES_AT, STAGE, DO_AT = (lay[n] for n in (
+        "k_row", "v_row", "stages_at", "stage", "do_at"))  # dO DO_AT words after a stage's Q
+    SHARED_WORDS = 0 if spec.halves else lay["words"]  # 0: dynamic, as the launch makes it
     DB, VB, VSTEPS = D // 8, DV // 8, DV // 16  # fragments of dK, of dV, steps of V's
-    NONFINITE = spec.nonfinite
+    NONFINITE, spec_halves = spec.nonfinite, spec.halves
     mma, pack, unpack = _products(spec)
-    copy_k, copy_v = make_copy_tile(BLOCK, D, K_ROW), make_copy_tile(BLOCK, DV, V_ROW)
-    copy_q, copy_do = make_copy_tile(QB, D, K_ROW), make_copy_tile(QB, DV, V_ROW)
+    copy_k = _copier(spec, BLOCK, D, K_ROW, lay["k_lo"])
+    copy_v = _copier(spec, BLOCK, DV, V_ROW, lay["v_lo_at"] - STAGES_AT)
+    copy_q = _copier(spec, QB, D, K_ROW, lay["q_lo"])
+    copy_do = _copier(spec, QB, DV, V_ROW, lay["do_lo"])
     load_v_fragments = make_load_q_fragments(DV, V_ROW)
-    scores_s = make_scores_t(D, K_ROW, K_ROW, QB, mma)  # S^T = K Q^T
-    scores_dp = make_scores(DV, V_ROW, mma, QB)  # dP^T = V dO^T, V's fragments in registers
+    P_FACTOR, DS_FACTOR, call_factors = _scales(spec)
     probabilities = make_kv_probabilities(
-        NB, make_masked_score({"HAS_MASK": spec.has_mask}), spec.has_mask)
-    products = make_kv_products(
-        make_pv(DV, V_ROW, mma, pack, QB), make_pv(D, K_ROW, mma, pack, QB),
-        make_pv_seen_pairs(DV, V_ROW, unpack, QB), make_pv_seen_pairs(D, K_ROW, unpack, QB),
-        Q_TILE, NONFINITE)
-    copy_query_tile, interior = make_copy_query_tile(copy_q, copy_do, Q_TILE), make_interior(QB)
+        NB, make_masked_score({"HAS_MASK": spec.has_mask}), spec.has_mask, P_FACTOR, DS_FACTOR)
+    EXACT = spec.halves and NONFINITE  # scores_exact for tile pairs holding a NaN or an inf
+    if spec.halves:
+        scores_s = make_either(
+            halves.make_scores_t_halves(D, K_ROW, K_ROW, QB, lay["k_lo"], lay["q_lo"]),
+            halves.make_scores_exact(D, K_ROW, K_ROW, QB, lay["k_lo"], lay["q_lo"]), EXACT)
+        scores_dp = halves.make_scores_halves(DV, V_ROW, lay["v_lo_at"], lay["do_lo"], QB)
+        products = make_kv_products(
+            halves.make_pv_halves(DV, V_ROW, lay["do_lo"], QB),
+            halves.make_pv_halves(D, K_ROW, lay["q_lo"], QB),
+            halves.make_pv_seen_pairs_halves(DV, V_ROW, lay["do_lo"], QB),
+            halves.make_pv_seen_pairs_halves(D, K_ROW, lay["q_lo"], QB), DO_AT, NONFINITE)
+    else:
+        scores_s = make_either(make_scores_t(D, K_ROW, K_ROW, QB, mma), None, False)
+        scores_dp = make_scores(DV, V_ROW, mma, QB)  # dP^T = V dO^T, V's fragments in registers
+        products = make_kv_products(
+            make_pv(DV, V_ROW, mma, pack, QB), make_pv(D, K_ROW, mma, pack, QB),
+            make_pv_seen_pairs(DV, V_ROW, unpack, QB), make_pv_seen_pairs(D, K_ROW, unpack, QB),
+            DO_AT, NONFINITE)
+    copy_query_tile, interior = make_copy_query_tile(copy_q, copy_do, DO_AT), make_interior(QB)
     load_kv_block = make_load_kv_block(copy_k, copy_v, load_v_fragments, STAGES_AT)
     store = CONVERTERS[spec.dtype][1]
     store_dk, store_dv = make_store_rows(D, store), make_store_rows(DV, store)
 
     def mma_dkdv(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, q_flags, dout_flags,
-                 deferred, dk, dv, n_q, group, qk_scale, scale, left, right, bottom_right,
-                 mask_steps, bias_steps):
-        words = cuda.shared.array(WORDS, uint32)
+                 k_flags, deferred, factors, dk, dv, n_q, group, qk_scale, scale, left, right,
+                 bottom_right, mask_steps, bias_steps):
+        words = cuda.shared.array(SHARED_WORDS, uint32)
         v_frag = cuda.local.array((VSTEPS, 4), uint32)  # this warp's keys of V, A fragments
         s = cuda.local.array((NB, 4), float32)  # S^T, then P^T
         dp = cuda.local.array((NB, 4), float32)  # dP^T, then dS^T
@@ -458,16 +556,18 @@ def dkdv_kernel_source(spec):
         kv_len = int64(kv_lengths[b])
         zero(dk_acc)
         zero(dv_acc)
+        qk, delta_factor, dk_factor, dv_factor, _ = call_factors(factors, qk_scale, scale)
         last_key = min(start_n + BLOCK, kv_len)
         begin, end = rows_seeing(start_n, last_key, n_q, kv_len, left, right, bottom_right)
         first_q = begin // QB * QB
         tiles = (end - first_q + QB - 1) // QB if end > begin and start_n < kv_len \
             else int64(0)
+        keys_bad = spec_halves and own_flagged(k_flags, b, hk, start_n)  # scores_exact's
         if NONFINITE:
             if deferred[b, hk, tile] == 0:
                 return  # the fast variant did this block
         elif deferred_block(deferred, b, hk, tile, q_flags, dout_flags, int64(hk) * group,
-                            group, first_q, first_q + tiles * QB - 1, tid):
+                            group, first_q, first_q + tiles * QB - 1, tid, keys_bad):
             return  # a tile holds a NaN or an inf: the nonfinite variant does this block
         if start_n < kv_len:  # else every key of the tile is hidden: dK = dV = 0
             load_kv_block(words, k, v, v_frag, b, heads_k, hk, n_k, start_n, kv_len, d, d_v,
@@ -478,7 +578,7 @@ def dkdv_kernel_source(spec):
                                 d_v)
                 if tid < QB:
                     stats[0, 0, tid], stats[0, 1, tid] = row_stats(
-                        lse_in, delta, b, h_next, q_next + tid, n_q, True)
+                        lse_in, delta, b, h_next, q_next + tid, n_q, True, delta_factor)
             stage = 0
             for _ in range(group * tiles):  # the group's heads in order, their tiles in order
                 h, start_q = h_next, q_next
@@ -494,11 +594,12 @@ def dkdv_kernel_source(spec):
                     copy_query_tile(words, STAGES_AT + (1 - stage) * STAGE, q, dout, b, heads_q,
                                     h_next, q_next, n_q, d, d_v)
                     lse_next, delta_next = row_stats(lse_in, delta, b, h_next, q_next + tid,
-                                                     n_q, tid < QB)  # stored after this tile
-                at = STAGES_AT + stage * STAGE
-                scores_s(words, 0, at, s, lane, w)
-                scores_dp(words, at + Q_TILE, v_frag, dp, lane)
-                probabilities(s, dp, stats, stage, qk_scale, mask, bias, mask_steps,
+                                                     n_q, tid < QB, delta_factor)  # stored
+                at = STAGES_AT + stage * STAGE                                 # after this tile
+                scores_s(words, 0, at, s, lane, w,  # S^T = K Q^T
+                         keys_bad or q_flags[b, h, start_q // FLAG_ROWS] != 0)
+                scores_dp(words, at + DO_AT, v_frag, dp, lane)
+                probabilities(s, dp, stats, stage, qk, mask, bias, mask_steps,
                               bias_steps, b, h, key0, start_q, n_q, kv_len, left, right,
                               bottom_right, interior(start_q, start_n, n_q, kv_len, left,
                                                      right, bottom_right), lane)
@@ -507,8 +608,8 @@ def dkdv_kernel_source(spec):
                 if tid < QB:  # the next tile's statistics, their loads' latency hidden above
                     stats[1 - stage, 0, tid], stats[1 - stage, 1, tid] = lse_next, delta_next
                 stage = 1 - stage
-        store_dk(dk, dk_acc, b, hk, key0, n_k, d, scale, lane)
-        store_dv(dv, dv_acc, b, hk, key0, n_k, d_v, float32(1.0), lane)
+        store_dk(dk, dk_acc, b, hk, key0, n_k, d, dk_factor, lane)
+        store_dv(dv, dv_acc, b, hk, key0, n_k, d_v, dv_factor, lane)
 
     return check_parameters(mma_dkdv, tuple(a[0] for a in MMA_DKDV_ARGS))
 
@@ -517,28 +618,45 @@ def dq_kernel_source(spec):
     """The dQ kernel of variant `spec` (part "dq"): one block per 64 query rows."""
     spec.check()
     D, DV, NB = spec.d, spec.dv, KEY_TILE // 8
-    K_ROW, V_ROW, _, STAGE, WORDS = spec.words
-    K_TILE = KEY_TILE * K_ROW  # words of a stage's K tile: its V tile follows
+    lay = spec.layout
+    K_ROW, V_ROW, STAGE, V_AT, DO_AT = (lay[n] for n in (
+        "k_row", "v_row", "stage", "v_at", "do_at"))  # V V_AT words after a stage's K
+    SHARED_WORDS = 0 if spec.halves else lay["words"]  # 0: dynamic, as the launch makes it
     QSTEPS, VSTEPS, DB = D // 16, DV // 16, D // 8  # fragments of Q, of dO, of dQ
     NONFINITE = spec.nonfinite
     mma, pack, unpack = _products(spec)
-    copy_q, copy_do = make_copy_tile(BLOCK, D, K_ROW), make_copy_tile(BLOCK, DV, V_ROW)
-    copy_kv = make_copy_kv(make_copy_tile(KEY_TILE, D, K_ROW),
-                           make_copy_tile(KEY_TILE, DV, V_ROW), K_TILE)
+    EXACT, HALVES = spec.halves and NONFINITE, spec.halves  # EXACT: scores_exact for tile
+    Q_HI_AT = lay["q_hi_at"]                                # pairs holding a NaN or an inf
+    copy_q = _copier(spec, BLOCK, D, K_ROW, lay["q_lo_at"],  # Q lands at word 0
+                     Q_HI_AT if EXACT else None)
+    copy_do = _copier(spec, BLOCK, DV, V_ROW, lay["do_lo_at"] - DO_AT)
+    copy_kv = make_copy_kv(_copier(spec, KEY_TILE, D, K_ROW, lay["k_lo"]),
+                           _copier(spec, KEY_TILE, DV, V_ROW, lay["v_lo"]), V_AT)
     load_query_block = make_load_query_block(
         copy_q, copy_do, make_load_q_fragments(D, K_ROW), make_load_q_fragments(DV, V_ROW),
-        BLOCK * K_ROW)
-    scores_s, scores_dp = make_scores(D, K_ROW, mma), make_scores(DV, V_ROW, mma)
+        DO_AT)
+    _, DS_FACTOR, call_factors = _scales(spec)
+    if spec.halves:
+        scores_s = halves.make_scores_halves(D, K_ROW, lay["q_lo_at"], lay["k_lo"])
+        scores_dp = halves.make_scores_halves(DV, V_ROW, lay["do_lo_at"], lay["v_lo"])
+        dq_product = halves.make_pv_halves(D, K_ROW, lay["k_lo"])
+        dq_seen_pairs = halves.make_pv_seen_pairs_halves(D, K_ROW, lay["k_lo"])
+        scores_exact = halves.make_scores_exact(D, K_ROW, K_ROW, KEY_TILE,
+                                                lay["q_lo_at"] - Q_HI_AT, lay["k_lo"])
+    else:
+        scores_s, scores_dp = make_scores(D, K_ROW, mma), make_scores(DV, V_ROW, mma)
+        dq_product = make_pv(D, K_ROW, mma, pack)  # dQ += dS K: K in the forward's V place
+        dq_seen_pairs = make_pv_seen_pairs(D, K_ROW, unpack)
+        scores_exact = halves.make_scores_exact(D, K_ROW, K_ROW, KEY_TILE, 0, 0)  # not run
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
                                          spec.has_mask)
-    dq_product = make_pv(D, K_ROW, mma, pack)  # dQ += dS K: K in the forward's V place
-    q_probabilities = make_q_probabilities(NB)
-    dq_seen_pairs = make_pv_seen_pairs(D, K_ROW, unpack)
+    q_probabilities = make_q_probabilities(NB, DS_FACTOR)
     store_dq = make_store_rows(D, CONVERTERS[spec.dtype][1])
 
-    def mma_dq(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, k_flags, deferred, dq, n_q,
-               group, qk_scale, scale, left, right, bottom_right, mask_steps, bias_steps):
-        words = cuda.shared.array(WORDS, uint32)
+    def mma_dq(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, k_flags, q_flags,
+               deferred, factors, dq, n_q, group, qk_scale, scale, left, right, bottom_right,
+               mask_steps, bias_steps):
+        words = cuda.shared.array(SHARED_WORDS, uint32)
         q_frag = cuda.local.array((QSTEPS, 4), uint32)  # this warp's rows, A fragments
         do_frag = cuda.local.array((VSTEPS, 4), uint32)
         s = cuda.local.array((NB, 4), float32)  # S, then P
@@ -562,20 +680,22 @@ def dq_kernel_source(spec):
         kv_len = int64(kv_lengths[b])
         whole_rows = start_m + BLOCK <= n_q
         zero(dq_acc)
+        qk, delta_factor, _, _, dq_factor = call_factors(factors, qk_scale, scale)
         for half in range(2):
             row = row0 + 8 * half
             ok = row < n_q  # row_stats' values (written as selects here)
             lse_r[half] = lse_in[b, h, row] * F_LOG2E if ok else ZERO
-            delta_r[half] = delta[b, h, row] if ok else ZERO
+            delta_r[half] = delta[b, h, row] * delta_factor if ok else ZERO
             lo[half], hi[half] = key_range_device(row, n_q, kv_len, left, right, bottom_right)
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK, n_q) - 1, n_q, kv_len, left, right, bottom_right, 0,
             n_k, KEY_TILE)
+        rows_bad = HALVES and own_flagged(q_flags, b, h, start_m)  # scores_exact's
         if NONFINITE:
             if deferred[b, h, tile] == 0:
                 return  # the fast variant did this block
         elif deferred_block(deferred, b, h, tile, k_flags, k_flags, hk, 1, first, last - 1,
-                            tid):
+                            tid, rows_bad):
             return  # a K tile holds a NaN or an inf: the nonfinite variant does this block
         load_query_block(words, q, dout, q_frag, do_frag, b, heads_q, h, start_m, n_q, d, d_v,
                          lane, w)
@@ -594,10 +714,13 @@ def dq_kernel_source(spec):
                         start_n + KEY_TILE, last, d, d_v)
                 warp.cp_async_commit()
             at = stage * STAGE
-            scores_s(words, at, q_frag, s, lane)
-            scores_dp(words, at + K_TILE, do_frag, dp, lane)
+            if EXACT and (rows_bad or k_flags[b, hk, start_n // FLAG_ROWS] != 0):
+                scores_exact(words, Q_HI_AT, at, s, lane, w)  # S = Q K^T
+            else:
+                scores_s(words, at, q_frag, s, lane)
+            scores_dp(words, at + V_AT, do_frag, dp, lane)
             interior = start_n >= lo_last and start_n + KEY_TILE <= hi_first
-            scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0,
+            scale_and_mask(s, qk, mask, bias, mask_steps, bias_steps, b, h, row0,
                            start_n, lo, hi, interior, whole_rows, n_q, lane)
             q_probabilities(s, dp, lse_r, delta_r)
             if not NONFINITE or k_flags[b, hk, start_n // FLAG_ROWS] == 0:
@@ -605,7 +728,7 @@ def dq_kernel_source(spec):
             else:  # a NaN or an inf in this K tile: only the pairs taking part
                 dq_seen_pairs(words, at, s, dp, dq_acc, lane)
             stage = 1 - stage
-        store_dq(dq, dq_acc, b, h, row0, n_q, d, scale, lane)
+        store_dq(dq, dq_acc, b, h, row0, n_q, d, dq_factor, lane)
 
     return check_parameters(mma_dq, tuple(a[0] for a in MMA_DQ_ARGS))
 

@@ -17,6 +17,7 @@ from .flash_mma import MMA_ARGS, MMA_DTYPES, MmaSpec, mma_kernel, mma_specs
 from .flash_mma import kernel_source as mma_kernel_source
 from .flash_mma_bwd import (MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec, ScanSpec, mma_bwd_kernel,
                             mma_bwd_source, mma_bwd_specs, scan_kernel, scan_source)
+from .halves import HalvesSpec, absmax_source, halves_kernel, split_source
 from .plain_bwd import (DELTA_ARGS, DKDV_ARGS, DQ_ARGS, PlainBwdSpec, plain_bwd_kernel,
                         plain_bwd_specs)
 from .plain_bwd import bwd_kernel_source as plain_bwd_source
@@ -116,7 +117,7 @@ def arg_types(args, elem, out_elem):
 
     kinds = {"input": array(elem, 4), "output": array(out_elem, 4), "mask": array(uint8, 4),
              "bias": array(float32, 4), "lengths": array(int32, 1), "lse": array(float32, 3),
-             "flags": array(uint8, 3),
+             "flags": array(uint8, 3), "factors": array(float32, 1),
              "int": int64, "float": float32, "steps": UniTuple(int64, 4)}
     return tuple(kinds[kind] for _, kind, _ in args)
 
@@ -146,9 +147,20 @@ def scan_signature(spec):
 
 
 def mma_bwd_signature(spec):
-    """Argument types of a tensor-core backward kernel (flash_mma_bwd.py)."""
+    """Argument types of a tensor-core backward kernel (flash_mma_bwd.py): float32 inputs
+    arrive as float16 halves (halves.py), their gradients leave as float32."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
-    return arg_types(MMA_DKDV_ARGS if spec.part == "dkdv" else MMA_DQ_ARGS, elem, elem)
+    args = MMA_DKDV_ARGS if spec.part == "dkdv" else MMA_DQ_ARGS
+    return arg_types(args, float16, elem) if spec.halves else arg_types(args, elem, elem)
+
+
+def halves_signature(spec):
+    """Argument types of the halves' pre-pass kernels (halves.py)."""
+    flat = float32[::1]
+    if spec.part == "absmax":
+        return (flat, flat, flat, flat, float32[:, ::1])
+    return (float32[:, :, :, ::1], float16[:, :, :, ::1], float32[:, ::1], flat,
+            uint8[:, :, ::1], int64)
 
 
 def tuned_bwd_signature(spec):
@@ -209,6 +221,9 @@ def _variant(spec):
                 mma_signature(spec))
     if isinstance(spec, ScanSpec):
         return (lambda: scan_source(spec), lambda: scan_kernel(spec), scan_signature(spec))
+    if isinstance(spec, HalvesSpec):
+        source = absmax_source if spec.part == "absmax" else split_source
+        return (source, lambda: halves_kernel(spec), halves_signature(spec))
     return (lambda: kernel_source(spec), lambda: build_kernel(spec), signature(spec))
 
 

@@ -6,8 +6,10 @@ claimed it is also called with return_lse=True and must then return (out, lse). 
 what it claims; cases that need anything else are reported "not claimed", not failed.
 
 Built-in adapters (imported lazily, by name): reference, numba, numba-plain,
-numba-tuned-backward (numba's forward, gradients from numba_kernels/flash_bwd.py), numba-mma
-(the tensor-core kernels alone: flash_mma.py's forward, flash_mma_bwd.py's backward), torch-math,
+numba-tuned-backward (numba's forward, gradients from numba_kernels/flash_bwd.py),
+numba-mma-backward (numba's forward, gradients from flash_mma_bwd.py: float32 too, as float16
+halves), numba-mma (the tensor-core kernels alone: flash_mma.py's forward, flash_mma_bwd.py's
+backward), torch-math,
 torch-efficient, torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn. Each states the
 conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
 causal_lower_right), flash-attn's causal is bottom-right; neither returns lse from these
@@ -134,6 +136,7 @@ def builtin(name):
     """A built-in adapter by name (see the module docstring)."""
     factories = {"reference": _reference, "numba": _numba, "numba-plain": lambda: _numba(True),
                  "numba-tuned-backward": lambda: _numba(backward_kernel="tuned"),
+                 "numba-mma-backward": lambda: _numba(backward_kernel="mma"),
                  "numba-mma": _numba_mma,
                  "flash-attn": _flash_attn}
     for backend in ("math", "efficient", "flash", "cudnn"):
@@ -212,13 +215,18 @@ def _numba(plain=False, backward_kernel="plain"):
     # The plain kernel never splits.
     name = "numba-plain" if plain else "numba" if backward_kernel == "plain" else \
         f"numba-{backward_kernel}-backward"
+    # the tensor-core backward (float32 too, as float16 halves) takes what flash_mma does
+    limits = dict(max_head_dim=128, head_dim_multiple=8) if backward_kernel == "mma" else {}
+    # the simulator emulates each warp instruction of the tensor-core kernels with 32 threads
+    slow = dict(timeout_s=900.0) if backward_kernel == "mma" and not on_gpu else {}
     return Implementation(name, fn,
-                          Supports(batch_invariant=plain or not on_gpu, backward=True),
+                          Supports(batch_invariant=plain or not on_gpu, backward=True,
+                                   **limits),
                           array="torch" if on_gpu else "numpy",
                           device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
                           + ("" if on_gpu else " (CUDA simulator)"), costs=_numba_costs,
-                          grad=grad, differentiable=False, warm=warm)
+                          grad=grad, differentiable=False, warm=warm, **slow)
 
 
 def _numba_costs():

@@ -1,0 +1,354 @@
+"""float32 operands on the float16 tensor cores: each value as two float16 halves.
+
+mma.sync multiplies float16 (or bfloat16) fragments only; TF32's mma runs at half the rate.
+The tensor-core backward for float32 inputs (flash_mma_bwd.py, MmaBwdSpec dtype "float32")
+splits every operand in two, the way the 3xTF32 scheme does, but into float16, whose 11-bit
+significand is TF32's and whose products issue twice as fast:
+
+    c      = 2^(13 - e)    e = floor(log2 max|x|) over the finite values of the whole tensor
+                           (at most 2^126, where they are all 0): every |x c| < 2^14
+    hi     = float16(x c)                 round to nearest
+    lo     = float16(x c - hi)            the difference is exact in float32
+    a b   ~= (hi_a hi_b + hi_a lo_b + lo_a hi_b) / (c_a c_b)       lo_a lo_b (2^-22) dropped
+    an inf or a NaN: hi = x c, lo = 0
+
+hi + lo holds 22 significant bits of x c where |x c| >= 2^-3 (lo is then a normal float16);
+below that lo loses bits to float16's subnormals, an absolute error under 2^-25 at the scale of
+the tensor's largest value (2^14). An inf does not survive the three products as float32's
+would (x inf is inf of x's sign; here lo_a hi_b adds 0 * inf = NaN where lo_a = 0, or inf -
+inf where lo_a's sign is not x's): the scores of a tile pair where Q or K holds a NaN or an inf
+are made by scores_exact instead, a float32 dot product of hi + lo a score (the backward's
+nonfinite variants; the contract's NaN containment needs S = -inf there to stay -inf). hi
+toward zero would keep the sign, at one bit less: scores 16 times their usual size then failed
+verify's rule on the H200 (error 1.12 of the bound). The scale c is a power of two (exact) and
+one number a
+tensor: it leaves every product's sum unchanged, and a per-tensor error is what verify's rule
+measures (the largest error of a tensor against its largest values).
+
+The operands a product takes from registers are split where they are made, with constant
+scales that keep them below 2^14 whatever the data:
+    P   (dV = P^T dO)      P' = P 2^14                       (0 <= P <= 1)
+    dS  (dK, dQ)           dS' = P (dP' - delta') 2^-(15 + log2 DV)
+where dP' = dO' V'^T and delta' = delta c_v c_do are the scaled dP and delta: |dP'|, |delta'|
+<= DV 2^28 (O is an average of V's rows). Emulated on the CPU under verify's rule (the five
+products in float64 from the halves, float32 sums; `scripts/dev/halves_emulation.py`):
+dv 0.01-0.3 of its bound, dq and dk under 0.01, at N from 256 to 8192 and with inputs 1e-3,
+4 or 30 times their usual size.
+
+Before the kernels, one pre-pass per tensor (no wait for the host):
+    absmax   grid (blocks, 4), blocks = partial's columns, at most ABS_BLOCKS: block i of row
+             r writes the max |x| over its stride of tensor r (q, k, v, dout) to
+             partial[r, i], finite values only
+    split    grid (row tiles of FLAG_ROWS rows, B * H) of one tensor: c from partial[r] (each
+             block reduces the absmax blocks' maxima), hi and lo of its rows to halves (2B, H, N,
+             W) float16 (hi at batch b, lo at B + b), flags[b, h, tile] = 1 where its rows hold
+             a NaN or an inf (the backward's nonfinite variants read them), and block (0, 0)
+             writes factors[r] = c, factors[4 + r] = 1 / c.
+
+The kernels copy both halves of each tile into shared memory (copy_tile_halves: lo at the
+flat offset of x.size / 2 from hi) and do each product as three mma.sync (the small terms
+first). Register operands are packed as hi and lo where they are made (pack_halves).
+"""
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from numba import cuda
+
+from . import warp
+from .compile_cache import jit
+from .convert import _bits_to_float, _float_to_bits, float32, int64
+from .flash_fwd import FASTMATH, ZERO, kernel_part, takes_part
+from .flash_mma import BLOCK_N, make_copy_tile, make_mma_pair
+
+TOP = 14  # |x c| < 2^TOP
+P_FACTOR = float32(2.0**TOP)
+ABS_BLOCKS = 256  # blocks of the absmax pass a tensor (each thread a stride of the tensor)
+THREADS = 128
+SLOTS = ("q", "k", "v", "dout")  # rows of partial, entries of factors
+FLAG_ROWS = BLOCK_N  # rows a flag covers: as the backward's other pre-pass (flash_mma_bwd)
+
+
+def ds_factor(dv):
+    """dS's constant scale for padded value width dv (a power of two): 2^-(15 + log2 dv)."""
+    return float32(2.0 ** -(15 + dv.bit_length() - 1))
+
+
+@dataclass(frozen=True)
+class HalvesSpec:
+    """One kernel of the pre-pass: part "absmax" or "split"."""
+
+    part: str
+
+
+def halves_specs():
+    return [HalvesSpec("absmax"), HalvesSpec("split")]
+
+
+@kernel_part
+def block_max(x, cache):
+    """The max of x over the block's THREADS threads (cache: THREADS shared floats), known to
+    every thread. Barriers."""
+    tid = cuda.threadIdx.x
+    cache[tid] = x
+    step = THREADS // 2
+    while step > 0:
+        cuda.syncthreads()  # Barrier: the last round's values are written.
+        if tid < step:
+            cache[tid] = max(cache[tid], cache[tid + step])
+        step //= 2
+    cuda.syncthreads()  # Barrier: cache[0] is the block's max.
+    top = cache[0]
+    cuda.syncthreads()  # Barrier: every thread has read it before the cache is reused.
+    return top
+
+
+@kernel_part
+def finite_abs(x):
+    """|x|, or 0 for an inf or a NaN."""
+    return abs(x) if math.isfinite(x) else ZERO
+
+
+def absmax_source():
+    def absmax(q, k, v, dout, partial):
+        """partial[r, i]: the max |x| over elements i THREADS + tid + j blocks THREADS of
+        tensor r (flat views), finite values only."""
+        cache = cuda.shared.array(THREADS, float32)
+        r, tid = cuda.blockIdx.y, cuda.threadIdx.x
+        x = q if r == 0 else k if r == 1 else v if r == 2 else dout
+        top = ZERO
+        for i in range(cuda.blockIdx.x * THREADS + tid, x.size, cuda.gridDim.x * THREADS):
+            top = max(top, finite_abs(x[i]))
+        top = block_max(top, cache)
+        if tid == 0:
+            partial[r, cuda.blockIdx.x] = top
+
+    return absmax
+
+
+@kernel_part
+def power_factors(top):
+    """(c, 1 / c) for a tensor whose largest finite |x| is top: c = 2^(13 - floor(log2 top)),
+    built from exponent bits (exact; at most 2^126, whose inverse is a normal float)."""
+    biased = (_float_to_bits(top) >> 23) & 0xFF  # floor(log2 top) + 127; 0 for 0
+    c_exp = min(267 - biased, 253)  # 13 - (biased - 127) + 127, at most 2^126
+    return _bits_to_float(c_exp << 23), _bits_to_float((254 - c_exp) << 23)
+
+
+def split_source():
+    def split(x, halves, partial, factors, flags, slot):
+        """hi and lo of rows tile FLAG_ROWS .. + FLAG_ROWS of head (b, h) of x (B, H, N, W)
+        float32 to halves (2B, H, N, W) float16; flags[b, h, tile] = 1 where they hold a NaN
+        or an inf. The tensor's scale from partial[slot]."""
+        cache = cuda.shared.array(THREADS, float32)
+        tid, tile, head = cuda.threadIdx.x, cuda.blockIdx.x, cuda.blockIdx.y
+        batch, heads, rows, width = x.shape
+        top = ZERO
+        for i in range(tid, partial.shape[1], THREADS):
+            top = max(top, partial[slot, i])
+        c, inv_c = power_factors(block_max(top, cache))
+        if tile == 0 and head == 0 and tid == 0:
+            factors[slot], factors[4 + slot] = c, inv_c
+        b, h = head // heads, head % heads
+        first = int64(tile) * FLAG_ROWS
+        n = min(FLAG_ROWS, rows - first) * width
+        bad = 0  # an int: syncthreads_or takes one
+        for i in range(tid, n, THREADS):
+            row, col = first + i // width, i % width
+            value = x[b, h, row, col]
+            if not math.isfinite(value):
+                bad = 1
+            scaled = value * c
+            halves[b, h, row, col] = scaled  # rounded to float16
+            lo = scaled - float32(halves[b, h, row, col])
+            halves[batch + b, h, row, col] = lo if math.isfinite(scaled) else ZERO
+        bad = cuda.syncthreads_or(bad)
+        if tid == 0:
+            flags[b, h, tile] = bad
+
+    return split
+
+
+@lru_cache(maxsize=2)
+def halves_kernel(spec):
+    """The compiled pre-pass kernel of a HalvesSpec (through the on-disk compile cache)."""
+    source = absmax_source if spec.part == "absmax" else split_source
+    return jit(source(), ("halves", spec.part), FASTMATH)
+
+
+@kernel_part
+def pack_halves(x0, x1):
+    """(hi, lo): float32 values x0, x1 (already scaled) as two float16 pairs, hi + lo."""
+    hi = warp.pack_f16(x0, x1)
+    h0, h1 = warp.unpack_f16(hi)
+    return hi, warp.pack_f16(x0 - h0, x1 - h1)
+
+
+def make_copy_tile_halves(ROWS, WIDTH, ROW_WORDS, LO_WORDS, HI_AGAIN=None):
+    """flash_mma's copy_tile for a halves array (hi at flat element base, lo x.size / 2
+    further): the hi tile to word `at`, the lo tile LO_WORDS after it, and (HI_AGAIN not
+    None) the hi tile again HI_AGAIN words after `at`."""
+    copy = make_copy_tile(ROWS, WIDTH, ROW_WORDS)
+    AGAIN, AGAIN_AT = HI_AGAIN is not None, HI_AGAIN or 0
+
+    @kernel_part
+    def copy_tile(words, at, x, base, start, n, width):
+        copy(words, at, x, base, start, n, width)
+        copy(words, at + LO_WORDS, x, base + (x.size >> 1), start, n, width)
+        if AGAIN:
+            copy(words, at + AGAIN_AT, x, base, start, n, width)
+
+    return copy_tile
+
+
+def make_scores_halves(D, ROW, A_LO_AT, B_LO, KEYS=BLOCK_N):
+    """flash_mma's scores (S = A B^T, A's hi fragments in registers) with halves: A's lo
+    fragments from the tile at word A_LO_AT (rows of ROW words, the warp's 16 rows at 16 w),
+    B's lo tile B_LO words after its hi one."""
+    mma_pair = make_mma_pair(warp.mma_f16)
+
+    @kernel_part
+    def scores(words, at, a_frag, s, lane):
+        m, r, w = lane // 8, lane % 8, cuda.threadIdx.x // 32
+        for nb in range(KEYS // 8):
+            for e in range(4):
+                s[nb, e] = ZERO
+        for kk in range(D // 16):
+            l0, l1, l2, l3 = warp.ldmatrix_x4(
+                words, A_LO_AT + (w * 16 + r + 8 * (m % 2)) * ROW + kk * 8 + 4 * (m // 2))
+            a0, a1, a2, a3 = a_frag[kk, 0], a_frag[kk, 1], a_frag[kk, 2], a_frag[kk, 3]
+            for n2 in range(KEYS // 16):
+                b_at = at + (n2 * 16 + r + 8 * (m // 2)) * ROW + kk * 8 + 4 * (m % 2)
+                b0, b1, b2, b3 = warp.ldmatrix_x4(words, b_at)
+                c0, c1, c2, c3 = warp.ldmatrix_x4(words, b_at + B_LO)
+                mma_pair(s, 2 * n2, l0, l1, l2, l3, b0, b1, b2, b3)
+                mma_pair(s, 2 * n2, a0, a1, a2, a3, c0, c1, c2, c3)
+                mma_pair(s, 2 * n2, a0, a1, a2, a3, b0, b1, b2, b3)
+
+    return scores
+
+
+def make_scores_t_halves(KDIM, A_ROW, B_ROW, COLS, A_LO, B_LO):
+    """flash_mma_bwd's scores_t (c = A B^T, both from shared memory) with halves: each lo
+    tile A_LO (B_LO) words after its hi one."""
+    mma_pair = make_mma_pair(warp.mma_f16)
+
+    @kernel_part
+    def scores_t(words, a_at, b_at, c, lane, w):
+        m, r = lane // 8, lane % 8
+        for nb in range(COLS // 8):
+            for e in range(4):
+                c[nb, e] = ZERO
+        for kk in range(KDIM // 16):
+            a_word = a_at + (w * 16 + r + 8 * (m % 2)) * A_ROW + kk * 8 + 4 * (m // 2)
+            a0, a1, a2, a3 = warp.ldmatrix_x4(words, a_word)
+            l0, l1, l2, l3 = warp.ldmatrix_x4(words, a_word + A_LO)
+            for n2 in range(COLS // 16):
+                b_word = b_at + (n2 * 16 + r + 8 * (m // 2)) * B_ROW + kk * 8 + 4 * (m % 2)
+                b0, b1, b2, b3 = warp.ldmatrix_x4(words, b_word)
+                c0, c1, c2, c3 = warp.ldmatrix_x4(words, b_word + B_LO)
+                mma_pair(c, 2 * n2, l0, l1, l2, l3, b0, b1, b2, b3)
+                mma_pair(c, 2 * n2, a0, a1, a2, a3, c0, c1, c2, c3)
+                mma_pair(c, 2 * n2, a0, a1, a2, a3, b0, b1, b2, b3)
+
+    return scores_t
+
+
+def make_pv_halves(DV, V_ROW, B_LO, KEYS=BLOCK_N):
+    """flash_mma's pv (acc += X V, X's accumulator fragments packed in registers, V by
+    ldmatrix.trans) with halves: X packed as hi and lo (pack_halves), V's lo tile B_LO words
+    after its hi one."""
+    mma_pair = make_mma_pair(warp.mma_f16)
+
+    @kernel_part
+    def pv(words, at, s, acc, lane):
+        m, r = lane // 8, lane % 8
+        for n2 in range(KEYS // 16):
+            a0, l0 = pack_halves(s[2 * n2, 0], s[2 * n2, 1])
+            a1, l1 = pack_halves(s[2 * n2, 2], s[2 * n2, 3])
+            a2, l2 = pack_halves(s[2 * n2 + 1, 0], s[2 * n2 + 1, 1])
+            a3, l3 = pack_halves(s[2 * n2 + 1, 2], s[2 * n2 + 1, 3])
+            for v2 in range(DV // 16):
+                v_word = at + (n2 * 16 + r + 8 * (m % 2)) * V_ROW + v2 * 8 + 4 * (m // 2)
+                b0, b1, b2, b3 = warp.ldmatrix_x4_trans(words, v_word)
+                c0, c1, c2, c3 = warp.ldmatrix_x4_trans(words, v_word + B_LO)
+                mma_pair(acc, 2 * v2, l0, l1, l2, l3, b0, b1, b2, b3)
+                mma_pair(acc, 2 * v2, a0, a1, a2, a3, c0, c1, c2, c3)
+                mma_pair(acc, 2 * v2, a0, a1, a2, a3, b0, b1, b2, b3)
+
+    return pv
+
+
+def make_pv_seen_pairs_halves(DV, V_ROW, B_LO, KEYS=BLOCK_N):
+    """flash_mma's pv_seen_pairs (acc += X V in float32, only the pairs taking part) with V
+    as hi + lo (hi alone where it is not finite: an inf stays an inf)."""
+    @kernel_part
+    def pv_seen_pairs(words, at, part, x, acc, lane):
+        g, t = lane // 4, lane % 4
+        for key in range(KEYS):  # as flash_mma's: an element picked by selects
+            for half in range(2):
+                mine_part, mine_x = ZERO, ZERO
+                for nb in range(KEYS // 8):
+                    for e in range(2):
+                        if nb == key // 8 and e == key % 2:
+                            mine_part, mine_x = part[nb, 2 * half + e], x[nb, 2 * half + e]
+                src = 4 * g + key % 8 // 2
+                p, v_x = warp.shfl_idx(mine_part, src), warp.shfl_idx(mine_x, src)
+                if takes_part(p):
+                    for vb in range(DV // 8):
+                        v0, v1 = value_pair(words, at + key * V_ROW + vb * 4 + t, B_LO)
+                        acc[vb, 2 * half] += v_x * v0
+                        acc[vb, 2 * half + 1] += v_x * v1
+
+    return pv_seen_pairs
+
+
+@kernel_part
+def value_pair(words, at, lo):
+    """The two float32 values hi + lo of word `at` (hi) and `at + lo` (lo): lo is 0 where hi is
+    not finite (the split's), so an inf stays an inf."""
+    h0, h1 = warp.unpack_f16(words[at])
+    l0, l1 = warp.unpack_f16(words[at + lo])
+    return h0 + l0, h1 + l1
+
+
+def make_scores_exact(KDIM, A_ROW, B_ROW, COLS, A_LO, B_LO):
+    """scores_t_halves's c = A B^T (both from shared memory, the lane's accumulator elements),
+    each element a float32 dot product of the values hi + lo: float32's semantics for an inf
+    (the module's docstring). For tile pairs holding a NaN or an inf: rare, and slow (KDIM
+    multiply-adds an element)."""
+    @kernel_part
+    def scores_exact(words, a_at, b_at, c, lane, w):
+        g, t = lane // 4, lane % 4
+        for nb in range(COLS // 8):
+            for e in range(4):
+                c[nb, e] = ZERO
+        for i in range(KDIM // 2):  # a loop: one word (two values) of each row a step
+            for nb in range(COLS // 8):
+                for e in range(4):
+                    a0, a1 = value_pair(
+                        words, a_at + (w * 16 + g + 8 * (e // 2)) * A_ROW + i, A_LO)
+                    b0, b1 = value_pair(words, b_at + (nb * 8 + 2 * t + e % 2) * B_ROW + i,
+                                        B_LO)
+                    c[nb, e] += a0 * b0 + a1 * b1
+
+    return scores_exact
+
+
+def make_factors(HALVES, DS):
+    @kernel_part
+    def call_factors(factors, qk_scale, scale):
+        """(qk_scale for S', delta's factor, dK's, dV's, dQ's): the factors that take the
+        scaled products back to the contract's units (the module's docstring); without
+        halves (16-bit inputs): (qk_scale, 1, scale, 1, scale)."""
+        one = float32(1.0)
+        if not HALVES:
+            return qk_scale, one, scale, one, scale
+        inv_q, inv_k, inv_v, inv_do = factors[4], factors[5], factors[6], factors[7]
+        inv_ds = float32(1.0 / DS)  # a power of two: exact
+        inv_delta = inv_v * inv_do  # dP' and delta' carry c_v c_do
+        return (qk_scale * inv_q * inv_k, factors[2] * factors[3],
+                scale * inv_delta * inv_ds * inv_q, inv_do * float32(1.0 / P_FACTOR),
+                scale * inv_delta * inv_ds * inv_k)
+
+    return call_factors

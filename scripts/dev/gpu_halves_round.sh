@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# On a GPU machine: the float32 backward on tensor cores (float16 halves, halves.py).
+# PART names the steps, in order (default "check bench"):
+#   check  verify's standard backward suite, float32, numba-mma-backward; beside it
+#          numba-mma --backward (the 16-bit kernels, whose source changed too);
+#   bench  benchmarks/backward_speed.py float32: the halves (numba-mma), the SIMT backward
+#          (numba-tuned) and torch's math and efficient backends, N = 2048, 4096, 8192;
+#   sanitize  compute-sanitizer memcheck and racecheck on one float32 call, causal, with a
+#          NaN in q (the nonfinite variants run);
+#   ab     the 16-bit backward against the copy in _ab_mma_old (ab_mma.py --backward);
+#   ncu    ncu --set full on the four kernels of one float32 call at (2, 16, 4096, 128):
+#          dkdv, its nonfinite variant (every block returns at once), dq, and its variant;
+#   conformance  pytest conformance --impl numba-mma-backward --backward -k gradient.
+set -u
+. "$(dirname "$0")/steps.sh"
+for PART in ${PART:-check bench}; do
+  start=$(date +%s)
+  if [[ "$PART" == check ]]; then
+    verify_side_by_side "numba-mma-backward --backward --dtype float32" "numba-mma --backward"
+  elif [[ "$PART" == bench ]]; then
+    timeout ${BENCH_TIMEOUT:-300} python3 -W ignore benchmarks/backward_speed.py --out "$OUT" \
+      --n ${BENCH_N:-2048,4096,8192} --dtypes float32 --impls ${BENCH_IMPLS:-numba-mma,numba-tuned,math,efficient} \
+      --budget-s ${BENCH_BUDGET:-200} > "$OUT/backward_speed.log" 2>&1
+    echo "backward_speed rc=$? in $(( $(date +%s) - start )) s"
+    grep -v Warn "$OUT/backward_speed.log" | tail -60
+  elif [[ "$PART" == sanitize ]]; then
+    for tool in memcheck racecheck; do
+      timeout 200 compute-sanitizer --tool $tool --report-api-errors no --print-limit 5 \
+        python3 -W ignore \
+        scripts/dev/halves_check.py > "$OUT/sanitize_$tool.log" 2>&1
+      echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|hazard|max error|nan" \
+        "$OUT/sanitize_$tool.log" | head -8
+    done
+  elif [[ "$PART" == ncu ]]; then
+    KEYS="^    (Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|Executed Instructions  |Dynamic Shared|Block Limit (Reg|Shared)|L2 Hit Rate)"
+    timeout 200 ncu --clock-control none --set full -k regex:'mma_dkdv|mma_dq' --launch-skip 4 \
+      --launch-count 4 python3 scripts/dev/profile_backward.py 128 4096 float32 mma \
+      > "$OUT/ncu_halves.txt" 2>&1
+    echo "ncu rc=$? in $(( $(date +%s) - start )) s"
+    grep -E "^  [a-z_]|$KEYS|pipe" "$OUT/ncu_halves.txt" | grep -v "^    -" | head -60
+  elif [[ "$PART" == conformance ]]; then
+    timeout -s INT -k 20 ${GRAD_TIMEOUT:-240} python3 -m pytest -p conformance.plugin conformance \
+      --impl numba-mma-backward --backward -k gradient -p no:cacheprovider -W ignore -rfs -q \
+      > "$OUT/conformance-grad.log" 2>&1
+    echo "pytest conformance --impl numba-mma-backward --backward -k gradient: rc=$? in $(( $(date +%s) - start )) s"
+    tail -3 "$OUT/conformance-grad.log"
+  elif [[ "$PART" == ab ]]; then
+    timeout ${AB_TIMEOUT:-200} python3 -W ignore scripts/dev/ab_mma.py --backward \
+      > "$OUT/ab_mma.log" 2>&1
+    echo "ab_mma rc=$? in $(( $(date +%s) - start )) s"; grep -v Warn "$OUT/ab_mma.log"
+  fi
+done

@@ -1,0 +1,96 @@
+"""Would a float32 backward on float16 tensor cores, each operand as two halves
+(numba_kernels/halves.py), pass verify? On the CPU: the FlashAttention-2 backward in float32
+(P from the saved lse, delta = rowsum(dO O)) with its five products (S, dP, dV, dK, dQ) made
+from halves as halves.py makes them, judged by verify's rule (criterion.judge_backward, dtype
+float32):
+
+    q, k, v, dout   one power-of-two scale a tensor (max |x c| < 2^14), hi = float16(x c),
+                    lo = float16(x c - hi)
+    P               P 2^14, split the same way (pack_halves)
+    dS              P (dP' - delta') 2^-(15 + log2 D), dP' and delta' in the scaled units
+    products        hi hi + hi lo + lo hi, each exact (float64), added to a float32 sum every
+                    256 terms (kinder than the hardware's float32 sum every 16)
+
+    python scripts/dev/halves_emulation.py [--n 256,1024,4096] [--values normal,tiny,scaled,large]
+
+Prints, per N and kind of values, the worst error over its bound (passes <= 1) for dq, dk, dv.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import reference  # noqa: E402
+from verify.criterion import judge_backward  # noqa: E402
+
+TOP = 14
+
+
+def power_scale(x):
+    """halves.py's c: 2^(13 - floor(log2 max|x|))."""
+    top = float(np.abs(x).max())
+    return np.float32(2.0 ** (TOP - 1 - np.floor(np.log2(top)))) if top > 0 else np.float32(1)
+
+
+def split(x):
+    """(hi, lo) of float32 x as float32 arrays holding float16 values."""
+    hi = x.astype(np.float16).astype(np.float32)
+    return hi, (x - hi).astype(np.float16).astype(np.float32)
+
+
+def product(a, b, ca, cb):
+    ah, al = split((a * ca).astype(np.float32))
+    bh, bl = split((b * cb).astype(np.float32))
+    acc = np.zeros(a.shape[:-1] + b.shape[-1:], np.float32)
+    for k0 in range(0, a.shape[-1], 256):
+        ks = slice(k0, k0 + 256)
+        a_h, a_l = ah[..., ks].astype(np.float64), al[..., ks].astype(np.float64)
+        step = a_h @ bh[..., ks, :] + a_h @ bl[..., ks, :] + a_l @ bh[..., ks, :]
+        acc = (acc.astype(np.float64) + step).astype(np.float32)
+    return acc / ca / cb
+
+
+def backward(q, k, v, dout):
+    d = q.shape[-1]
+    scale = np.float32(1 / np.sqrt(d))
+    out, lse = reference.attention(q, k, v, return_lse=True)  # the forward's saved values
+    out, lse = out.astype(np.float32), lse.astype(np.float32)[..., None]
+    cq, ck, cv, cdo = (power_scale(x) for x in (q, k, v, dout))
+    s = product(q, np.swapaxes(k, -1, -2), cq, ck) * scale
+    p = np.exp(s - lse)
+    dp = product(dout, np.swapaxes(v, -1, -2), cdo, cv)
+    delta = (dout * out).sum(axis=-1, keepdims=True, dtype=np.float32)
+    ds = p * (dp - delta)
+    c_ds = np.float32(2.0 ** -(15 + int(np.log2(d)))) * cv * cdo  # dS' = dS c_v c_do 2^-(..)
+    dv = product(np.swapaxes(p, -1, -2), dout, np.float32(2.0**TOP), cdo)
+    dk = product(np.swapaxes(ds, -1, -2), q, c_ds, cq) * scale
+    dq = product(ds, k, c_ds, ck) * scale
+    return dq, dk, dv
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", default="256,1024,4096")
+    ap.add_argument("--values", default="normal,tiny,scaled,large")
+    a = ap.parse_args()
+    print("N     values   error / bound: dq dk dv (passes <= 1)")
+    for n in (int(x) for x in a.n.split(",")):
+        for values in a.values.split(","):
+            rng = np.random.default_rng(0)
+            q, k, v, dout = (rng.standard_normal((1, 1, n, 128)) for _ in range(4))
+            if values == "tiny":
+                q, k, v = q * 1e-3, k * 1e-3, v * 1e-3
+            elif values == "scaled":
+                q, k = q * 4, k * 4
+            elif values == "large":
+                q, k = q * 30, k * 30
+            q, k, v, dout = (x.astype(np.float32) for x in (q, k, v, dout))
+            ratios = [c.ratio for c in judge_backward(q, k, v, dout, backward(q, k, v, dout),
+                                                      dtype="float32")]
+            print(f"{n:5d} {values:8s} " + " ".join(f"{r:.4f}" for r in ratios), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""float32 gradients on the tensor cores (numba_kernels/halves.py): the pre-pass that splits
+q, k, v and dout into float16 halves, and the backward kernels that multiply them
+(flash_mma_bwd.py, dtype float32), in the simulator. scripts/dev/gpu_halves_round.sh
+certifies them on a GPU (verify's standard backward suite, float32)."""
+import numpy as np
+import pytest
+
+import verify
+from numba_kernels import api, backward, halves
+from numba_kernels.convert import SIMULATOR
+from verify.cases import Case
+
+
+def _split(tensors):
+    """(halves, flags, factors) of the pre-pass for the named tensors, on the host."""
+    io = api._NumpyIO()
+    named = {name: io.dev(x) for name, x in tensors.items()}
+    out, flags = backward._halves(io, named)
+    host = {n: out[n].copy_to_host().astype(np.float32) for n in halves.SLOTS}
+    return host, {n: flags[f"{n}_flags"].copy_to_host() for n in ("q", "k", "dout")}, \
+        flags["factors"].copy_to_host()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a simulator test")
+def test_the_split_holds_each_value_as_two_float16_halves():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 3, 40, 8)).astype(np.float32) * 1e-30  # tiny: c large
+    k = rng.standard_normal((2, 1, 33, 8)).astype(np.float32) * 3e4
+    k[1, 0, 32, 5], k[0, 0, 3, 1] = np.inf, np.nan  # flagged; left out of the max
+    v = np.zeros((2, 1, 33, 8), np.float32)  # all 0: c = 2^127
+    dout = rng.standard_normal((2, 3, 40, 8)).astype(np.float32)
+    tensors = dict(q=q, k=k, v=v, dout=dout)
+    got, flags, factors = _split(tensors)
+    for slot, (name, x) in enumerate(tensors.items()):
+        c = factors[slot]
+        assert factors[4 + slot] * c == 1.0 and np.log2(c) == np.round(np.log2(c)), name
+        top = np.abs(x[np.isfinite(x)]).max() * np.float64(c)
+        assert (2.0**13 <= top < 2.0**14) if top else c == 2.0**126, name
+        hi, lo = got[name][: x.shape[0]], got[name][x.shape[0]:]
+        finite = np.isfinite(x)
+        scaled = x.astype(np.float64) * c
+        error = np.abs(scaled - hi - lo)[finite]
+        assert (error <= 2.0**-22 * np.abs(scaled[finite]) + 2.0**-25).all(), name
+        assert np.array_equal(np.isfinite(hi), finite) and (lo[~finite] == 0).all(), name
+    assert flags["k"][:, 0].tolist() == [[1, 0], [0, 1]]  # rows 0-31 and 32 of each batch
+    assert not flags["q"].any() and not flags["dout"].any()
+
+
+FLOAT32 = Case("float32 halves: GQA 2:1, causal bottom_right, Dv != D", B=1, Hq=2, Hk=1, Nq=9,
+               Nk=40, D=16, Dv=8, dtype="float32", causal="bottom_right", backward=True)
+# scores of -inf in keys some rows see: an inf in k times a q of the other sign
+INF = Case("float32 halves: an inf in keys some see", B=1, Hq=1, Hk=1, Nq=20, Nk=20, D=16,
+           Dv=16, dtype="float32", causal="top_left", poison="k:inf", backward=True)
+
+
+def _judge(case):
+    return verify.compare(verify.builtin("numba-mma-backward"), backward=True,
+                          cases=[(case, 0)], progress=False)
+
+
+@pytest.mark.long
+@pytest.mark.skipif(not SIMULATOR, reason="gpu_halves_round.sh certifies it on a GPU")
+def test_float32_gradients_from_halves_pass_verify_and_fail_without_the_lo_halves(
+        monkeypatch):
+    report = _judge(FLOAT32)
+    assert report.passed and report.cases[0].verdict == "pass", str(report)
+    # P and dS without their lo halves: 11 bits, and verify fails the call
+    monkeypatch.setattr(halves, "pack_halves", lambda x0, x1: (
+        halves.warp.pack_f16(x0, x1), halves.warp.pack_f16(np.float32(0), np.float32(0))))
+    report = _judge(FLOAT32)
+    assert not report.passed and report.cases[0].verdict == "fail", str(report)
+
+
+@pytest.mark.long
+@pytest.mark.skipif(not SIMULATOR, reason="a simulator test")
+def test_an_inf_takes_exact_scores_and_reaches_nothing(monkeypatch):
+    """hi lo products turn inf * x into NaN where x's lo half is 0 or of the other sign;
+    flagged tile pairs take scores_exact. Without the flags the fast variants' products
+    put NaN where the truth is finite, and verify fails the call."""
+    report = _judge(INF)
+    assert report.passed and report.cases[0].verdict == "pass", str(report)
+    split = backward._halves
+
+    def unflagged(io, named):
+        named, flags = split(io, named)
+        for name in ("q", "k", "dout"):
+            flags[f"{name}_flags"] = io.dev(np.zeros(flags[f"{name}_flags"].shape, np.uint8))
+        return named, flags
+
+    monkeypatch.setattr(backward, "_halves", unflagged)
+    report = _judge(INF)
+    assert not report.passed and report.cases[0].verdict == "fail", str(report)
