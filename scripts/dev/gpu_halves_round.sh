@@ -19,7 +19,8 @@ for PART in ${PART:-check bench}; do
     verify_side_by_side "numba-mma-backward --backward --dtype float32" "numba-mma --backward"
   elif [[ "$PART" == bench ]]; then
     timeout ${BENCH_TIMEOUT:-300} python3 -W ignore benchmarks/backward_speed.py --out "$OUT" \
-      --n ${BENCH_N:-2048,4096,8192} --dtypes float32 --impls ${BENCH_IMPLS:-numba-mma,numba-tuned,math,efficient} \
+      --n ${BENCH_N:-2048,4096,8192} --dtypes float32 \
+      --impls ${BENCH_IMPLS:-numba-mma,numba-tuned,math,efficient} \
       --budget-s ${BENCH_BUDGET:-200} > "$OUT/backward_speed.log" 2>&1
     echo "backward_speed rc=$? in $(( $(date +%s) - start )) s"
     grep -v Warn "$OUT/backward_speed.log" | tail -60
@@ -32,7 +33,8 @@ for PART in ${PART:-check bench}; do
         "$OUT/sanitize_$tool.log" | head -8
     done
   elif [[ "$PART" == ncu ]]; then
-    KEYS="^    (Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy|No Eligible|Executed Instructions  |Dynamic Shared|Block Limit (Reg|Shared)|L2 Hit Rate)"
+    KEYS="^    (Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy"
+    KEYS="$KEYS|No Eligible|Executed Instructions  |Dynamic Shared|Block Limit (Reg|Shared))"
     timeout 200 ncu --clock-control none --set full -k regex:'mma_dkdv|mma_dq' --launch-skip 4 \
       --launch-count 4 python3 scripts/dev/profile_backward.py 128 4096 float32 mma \
       > "$OUT/ncu_halves.txt" 2>&1
@@ -42,7 +44,8 @@ for PART in ${PART:-check bench}; do
     timeout -s INT -k 20 ${GRAD_TIMEOUT:-240} python3 -m pytest -p conformance.plugin conformance \
       --impl numba-mma-backward --backward -k gradient -p no:cacheprovider -W ignore -rfs -q \
       > "$OUT/conformance-grad.log" 2>&1
-    echo "pytest conformance --impl numba-mma-backward --backward -k gradient: rc=$? in $(( $(date +%s) - start )) s"
+    echo "conformance --impl numba-mma-backward --backward -k gradient: rc=$?" \
+      "in $(( $(date +%s) - start )) s"
     tail -3 "$OUT/conformance-grad.log"
   elif [[ "$PART" == ab ]]; then
     timeout ${AB_TIMEOUT:-200} python3 -W ignore scripts/dev/ab_mma.py --backward \
