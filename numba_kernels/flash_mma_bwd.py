@@ -3,9 +3,10 @@ of flash_bwd.py (reference/tiled_backward.py) with every product done by mma.syn
 float32 accumulation, and P and dS rounded to the input dtype where they enter a product (the
 forward, flash_mma.py, rounds P the same way). float32 inputs (MmaBwdSpec dtype "float32")
 go as two float16 halves a value, each product three mma.sync (halves.py): every tile below
-has its lo half beside it (MmaBwdSpec.layout), in dynamic shared memory. Two kernels after plain_bwd's delta kernel
-(delta = rowsum(dO * O)); their arguments are the tuned kernels' (plain_bwd.DKDV_ARGS,
-DQ_ARGS) with the pre-pass's flags and `deferred` (MMA_DKDV_ARGS, MMA_DQ_ARGS; below).
+has its lo half beside it (MmaBwdSpec.layout), in dynamic shared memory. Two kernels after
+plain_bwd's delta kernel (delta = rowsum(dO * O)); their arguments are the tuned kernels'
+(plain_bwd.DKDV_ARGS, DQ_ARGS) with the pre-pass's flags, `deferred` and the halves' scales
+(MMA_DKDV_ARGS, MMA_DQ_ARGS; below).
 
     dkdv  grid (key tiles of BLOCK = 64 keys, B * Hk), 4 warps; warp w owns keys
           start_n + 16 w .. + 15, which are the ROWS of its fragments (S^T, not S). K stays in

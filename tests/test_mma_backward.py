@@ -71,11 +71,12 @@ def test_auto_runs_the_tensor_core_kernels_for_16_bit_inputs(monkeypatch):
 
 
 def test_auto_runs_the_tuned_kernels_where_the_tensor_cores_do_not_apply(monkeypatch):
-    assert _kernel_run(monkeypatch, *_inputs("float32")) == ["mma"]  # as float16 halves
+    assert _kernel_run(monkeypatch, *_inputs("float32")) == ["tuned"]
+    assert _kernel_run(monkeypatch, *_inputs("float32"), kernel="mma") == ["mma"]  # halves
     assert _kernel_run(monkeypatch, *_inputs(d=12)) == ["tuned"]
     mask = np.ones((10, 10), bool)
-    assert _kernel_run(monkeypatch, *_inputs("float32", d=72), mask=mask) == ["tuned"]
-    assert _kernel_run(monkeypatch, *_inputs("float32", d=64), mask=mask) == ["mma"]
+    assert _kernel_run(monkeypatch, *_inputs("float32", d=64), mask=mask,
+                       kernel="mma") == ["mma"]
     with pytest.raises(ValueError, match="kernel='mma': head dims D=12, Dv=12"):
         flash_attention_backward(*_inputs(d=12), kernel="mma")
     with pytest.raises(ValueError, match="kernel='mma': float32 with a mask or bias at head "

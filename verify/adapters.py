@@ -7,8 +7,8 @@ what it claims; cases that need anything else are reported "not claimed", not fa
 
 Built-in adapters (imported lazily, by name): reference, numba, numba-plain,
 numba-tuned-backward (numba's forward, gradients from numba_kernels/flash_bwd.py),
-numba-mma-backward (numba's forward, gradients from flash_mma_bwd.py: float32 too, as float16
-halves), numba-mma (the tensor-core kernels alone: flash_mma.py's forward, flash_mma_bwd.py's
+numba-mma-backward (numba's forward, float32, gradients from flash_mma_bwd.py as float16
+halves, kernel="mma"), numba-mma (the tensor-core kernels alone: flash_mma.py's forward, flash_mma_bwd.py's
 backward), torch-math,
 torch-efficient, torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn. Each states the
 conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
@@ -215,8 +215,10 @@ def _numba(plain=False, backward_kernel="plain"):
     # The plain kernel never splits.
     name = "numba-plain" if plain else "numba" if backward_kernel == "plain" else \
         f"numba-{backward_kernel}-backward"
-    # the tensor-core backward (float32 too, as float16 halves) takes what flash_mma does
-    limits = dict(max_head_dim=128, head_dim_multiple=8) if backward_kernel == "mma" else {}
+    # the tensor-core backward's float32 (float16 halves): head dims as flash_mma's, no mask
+    # or bias (they take them only up to 64); the 16-bit kernels are numba-mma's
+    limits = dict(dtypes=("float32",), max_head_dim=128, head_dim_multiple=8, mask=False,
+                  bias=False) if backward_kernel == "mma" else {}
     # the simulator emulates each warp instruction of the tensor-core kernels with 32 threads
     slow = dict(timeout_s=900.0) if backward_kernel == "mma" and not on_gpu else {}
     return Implementation(name, fn,
