@@ -12,8 +12,13 @@ float32):
                     256 terms (kinder than the hardware's float32 sum every 16)
 
     python scripts/dev/halves_emulation.py [--n 256,1024,4096] [--values normal,tiny,scaled,large]
+    python scripts/dev/halves_emulation.py --consistency
 
 Prints, per N and kind of values, the worst error over its bound (passes <= 1) for dq, dk, dv.
+--consistency: the forward in float32 as a kernel makes it (its own scores, lse and out), and
+the backward's scores three ways: from halves, from three float16 pieces (33 bits: hi hi + hi
+mid + mid hi + hi lo + lo hi + mid mid), and the forward's own; the worst ratio over 20 seeds
+for shapes where scores are large.
 """
 import argparse
 import os
@@ -70,7 +75,63 @@ def backward(q, k, v, dout):
     return dq, dk, dv
 
 
+def split3(x):
+    """(hi, mid, lo) of float32 x: three float16 pieces, as float64 arrays."""
+    hi = x.astype(np.float16).astype(np.float32)
+    mid = (x - hi).astype(np.float16).astype(np.float32)
+    lo = (x - hi - mid).astype(np.float16).astype(np.float32)
+    return tuple(t.astype(np.float64) for t in (hi, mid, lo))
+
+
+def scores3(q, k, cq, ck):
+    (qh, qm, ql), (kh, km, kl) = split3((q * cq).astype(np.float32)), \
+        split3((np.swapaxes(k, -1, -2) * ck).astype(np.float32))
+    s = qh @ kh + qh @ km + qm @ kh + qh @ kl + ql @ kh + qm @ km
+    return s.astype(np.float32) / cq / ck
+
+
+def backward_after(q, k, v, dout, scores):
+    """The backward after a float32 forward (its own scores, lse and out), with the scores
+    "halves", "three" (pieces) or "forward" (the forward's own)."""
+    d = q.shape[-1]
+    scale = np.float32(1 / np.sqrt(d))
+    s32 = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+    m = s32.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(s32 - m).sum(-1, keepdims=True, dtype=np.float32)))
+    lse = lse.astype(np.float32)
+    out = (np.exp(s32 - lse) @ v).astype(np.float32)
+    cq, ck, cv, cdo = (power_scale(x) for x in (q, k, v, dout))
+    s = {"forward": lambda: s32, "halves": lambda: product(q, np.swapaxes(k, -1, -2), cq, ck)
+         * scale, "three": lambda: scores3(q, k, cq, ck) * scale}[scores]()
+    p = np.exp(s - lse)
+    dp = product(dout, np.swapaxes(v, -1, -2), cdo, cv)
+    ds = p * (dp - (dout * out).sum(axis=-1, keepdims=True, dtype=np.float32))
+    c_ds = np.float32(2.0 ** -(15 + int(np.log2(d)))) * cv * cdo
+    dv = product(np.swapaxes(p, -1, -2), dout, np.float32(2.0**TOP), cdo)
+    return (product(ds, k, c_ds, ck) * scale,
+            product(np.swapaxes(ds, -1, -2), q, c_ds, cq) * scale, dv)
+
+
+def consistency():
+    print("(N, D, q and k times): worst error / bound over 20 seeds, scores from halves, "
+          "three pieces, the forward's own")
+    for n, d, times in ((1, 16, 30), (2, 16, 4), (64, 64, 30), (256, 128, 1), (256, 128, 4)):
+        worst = dict(halves=0.0, three=0.0, forward=0.0)
+        for seed in range(20):
+            rng = np.random.default_rng(seed)
+            q, k, v, dout = (rng.standard_normal((1, 1, n, d)) for _ in range(4))
+            q, k, v, dout = (x.astype(np.float32) for x in (q * times, k * times, v, dout))
+            for way in worst:
+                grads = backward_after(q, k, v, dout, way)
+                worst[way] = max([worst[way]] + [c.ratio for c in judge_backward(
+                    q, k, v, dout, grads, dtype="float32")])
+        print(f"({n}, {d}, x{times}) " + " ".join(f"{r:.3f}" for r in worst.values()),
+              flush=True)
+
+
 def main():
+    if "--consistency" in sys.argv:
+        return consistency()
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", default="256,1024,4096")
     ap.add_argument("--values", default="normal,tiny,scaled,large")
