@@ -325,7 +325,16 @@ def make_pv(DV, V_ROW, mma, pack, KEYS=BLOCK_N):
     return pv
 
 
-def make_pv_seen_pairs(DV, V_ROW, unpack, KEYS=BLOCK_N):
+def make_unpacked(unpack):
+    @kernel_part
+    def load_pair(words, at):
+        """The two values of the 32-bit word `at` as float32 (pv_seen_pairs's load_pair)."""
+        return unpack(words[at])
+
+    return load_pair
+
+
+def make_pv_seen_pairs(DV, V_ROW, load_pair, KEYS=BLOCK_N):
     @kernel_part
     def pv_seen_pairs(words, at, part, x, acc, lane):
         """acc += X V in float32 over KEYS keys, adding only the pairs that take part
@@ -345,7 +354,7 @@ def make_pv_seen_pairs(DV, V_ROW, unpack, KEYS=BLOCK_N):
                 p, v_x = warp.shfl_idx(mine_part, src), warp.shfl_idx(mine_x, src)
                 if takes_part(p):
                     for vb in range(DV // 8):
-                        v0, v1 = unpack(words[at + key * V_ROW + vb * 4 + t])
+                        v0, v1 = load_pair(words, at + key * V_ROW + vb * 4 + t)
                         acc[vb, 2 * half] += v_x * v0
                         acc[vb, 2 * half + 1] += v_x * v1
 
@@ -441,7 +450,7 @@ def kernel_source(spec):
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
                                          spec.has_mask)
     online_softmax = make_online_softmax(NB, VB)
-    pv, pv_seen_pairs = make_pv(DV, V_ROW, mma, pack), make_pv_seen_pairs(DV, V_ROW, unpack)
+    pv, pv_seen_pairs = make_pv(DV, V_ROW, mma, pack), make_pv_seen_pairs(DV, V_ROW, make_unpacked(unpack))
     tile_nonfinite = make_tile_nonfinite(DV, V_ROW, EXPONENT_BITS[spec.dtype])
     acc_finite = make_acc_finite(VB)
     store_out = make_store_out(DV, CONVERTERS["float32" if spec.partial else spec.dtype][1])

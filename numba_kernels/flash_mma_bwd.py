@@ -63,7 +63,8 @@ from .flash_fwd import (F_LOG2E, FASTMATH, NEG_INF, NO_PART, ZERO, check_paramet
                         make_masked_score)
 from .flash_mma import (BLOCK_N as KEY_TILE, EXPONENT_BITS, MMA_DTYPES, MMA_WIDTHS, PAD, WARPS,
                         make_copy_kv, make_copy_tile, make_load_q_fragments, make_mma_pair, make_pv,
-                        make_pv_seen_pairs, make_scale_and_mask, make_scores, word_nonfinite)
+                        make_pv_seen_pairs, make_scale_and_mask, make_scores, make_unpacked,
+                        word_nonfinite)
 from .plain_bwd import DKDV_ARGS, DQ_ARGS
 
 
@@ -83,7 +84,7 @@ def _with_flags(args, before, *names):
 
 MMA_DKDV_ARGS = _with_flags(DKDV_ARGS, "dk", "q", "dout", "k")
 MMA_DQ_ARGS = _with_flags(DQ_ARGS, "dq", "k", "q")
-FLAG_ROWS = KEY_TILE  # rows of q, k or dout a pre-pass flag covers
+FLAG_ROWS = halves.FLAG_ROWS  # rows of q, k or dout a pre-pass flag covers
 
 BLOCK = 16 * WARPS  # keys of a dkdv block, query rows of a dq block
 THREADS = 32 * WARPS
@@ -466,17 +467,42 @@ def _copier(spec, rows, width, row_words, lo_words, hi_again=None):
     return make_copy_tile(rows, width, row_words)
 
 
-def make_either(scores, exact, EXACT):
-    """scores_t, or where EXACT and the call says `slow` (a tile pair holding a NaN or an
-    inf), halves.scores_exact."""
-    exact = exact if EXACT else scores
+def make_either(scores, exact):
+    """dkdv's S^T = K Q^T: scores_t, or where the call says `slow` (a tile pair holding a NaN
+    or an inf) halves.scores_exact; exact None (16-bit, or the fast variant): scores_t."""
+    if exact is None:
+        @kernel_part
+        def plain(words, a_at, b_at, c, lane, w, slow):
+            scores(words, a_at, b_at, c, lane, w)
+
+        return plain
 
     @kernel_part
     def either(words, a_at, b_at, c, lane, w, slow):
-        if EXACT and slow:
+        if slow:
             exact(words, a_at, b_at, c, lane, w)
         else:
             scores(words, a_at, b_at, c, lane, w)
+
+    return either
+
+
+def make_q_scores(scores, exact, Q_HI_AT):
+    """dq's S = Q K^T: scores (Q's fragments in registers), or where the call says `slow`
+    halves.scores_exact from Q's tiles at Q_HI_AT (hi) and after; exact None: scores."""
+    if exact is None:
+        @kernel_part
+        def plain(words, at, q_frag, s, lane, w, slow):
+            scores(words, at, q_frag, s, lane)
+
+        return plain
+
+    @kernel_part
+    def either(words, at, q_frag, s, lane, w, slow):
+        if slow:
+            exact(words, Q_HI_AT, at, s, lane, w)
+        else:
+            scores(words, at, q_frag, s, lane)
 
     return either
 
@@ -513,7 +539,8 @@ def dkdv_kernel_source(spec):
     if spec.halves:
         scores_s = make_either(
             halves.make_scores_t_halves(D, K_ROW, K_ROW, QB, lay["k_lo"], lay["q_lo"]),
-            halves.make_scores_exact(D, K_ROW, K_ROW, QB, lay["k_lo"], lay["q_lo"]), EXACT)
+            halves.make_scores_exact(D, K_ROW, K_ROW, QB, lay["k_lo"], lay["q_lo"])
+            if EXACT else None)
         scores_dp = halves.make_scores_halves(DV, V_ROW, lay["v_lo_at"], lay["do_lo"], QB)
         products = make_kv_products(
             halves.make_pv_halves(DV, V_ROW, lay["do_lo"], QB),
@@ -521,11 +548,12 @@ def dkdv_kernel_source(spec):
             halves.make_pv_seen_pairs_halves(DV, V_ROW, lay["do_lo"], QB),
             halves.make_pv_seen_pairs_halves(D, K_ROW, lay["q_lo"], QB), DO_AT, NONFINITE)
     else:
-        scores_s = make_either(make_scores_t(D, K_ROW, K_ROW, QB, mma), None, False)
+        scores_s = make_either(make_scores_t(D, K_ROW, K_ROW, QB, mma), None)
         scores_dp = make_scores(DV, V_ROW, mma, QB)  # dP^T = V dO^T, V's fragments in registers
         products = make_kv_products(
             make_pv(DV, V_ROW, mma, pack, QB), make_pv(D, K_ROW, mma, pack, QB),
-            make_pv_seen_pairs(DV, V_ROW, unpack, QB), make_pv_seen_pairs(D, K_ROW, unpack, QB),
+            make_pv_seen_pairs(DV, V_ROW, make_unpacked(unpack), QB),
+            make_pv_seen_pairs(D, K_ROW, make_unpacked(unpack), QB),
             DO_AT, NONFINITE)
     copy_query_tile, interior = make_copy_query_tile(copy_q, copy_do, DO_AT), make_interior(QB)
     load_kv_block = make_load_kv_block(copy_k, copy_v, load_v_fragments, STAGES_AT)
@@ -638,17 +666,18 @@ def dq_kernel_source(spec):
         DO_AT)
     _, DS_FACTOR, call_factors = _scales(spec)
     if spec.halves:
-        scores_s = halves.make_scores_halves(D, K_ROW, lay["q_lo_at"], lay["k_lo"])
+        scores_s = make_q_scores(
+            halves.make_scores_halves(D, K_ROW, lay["q_lo_at"], lay["k_lo"]),
+            halves.make_scores_exact(D, K_ROW, K_ROW, KEY_TILE, lay["q_lo_at"] - Q_HI_AT,
+                                     lay["k_lo"]) if EXACT else None, Q_HI_AT)
         scores_dp = halves.make_scores_halves(DV, V_ROW, lay["do_lo_at"], lay["v_lo"])
         dq_product = halves.make_pv_halves(D, K_ROW, lay["k_lo"])
         dq_seen_pairs = halves.make_pv_seen_pairs_halves(D, K_ROW, lay["k_lo"])
-        scores_exact = halves.make_scores_exact(D, K_ROW, K_ROW, KEY_TILE,
-                                                lay["q_lo_at"] - Q_HI_AT, lay["k_lo"])
     else:
-        scores_s, scores_dp = make_scores(D, K_ROW, mma), make_scores(DV, V_ROW, mma)
+        scores_s = make_q_scores(make_scores(D, K_ROW, mma), None, Q_HI_AT)
+        scores_dp = make_scores(DV, V_ROW, mma)
         dq_product = make_pv(D, K_ROW, mma, pack)  # dQ += dS K: K in the forward's V place
-        dq_seen_pairs = make_pv_seen_pairs(D, K_ROW, unpack)
-        scores_exact = halves.make_scores_exact(D, K_ROW, K_ROW, KEY_TILE, 0, 0)  # not run
+        dq_seen_pairs = make_pv_seen_pairs(D, K_ROW, make_unpacked(unpack))
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
                                          spec.has_mask)
     q_probabilities = make_q_probabilities(NB, DS_FACTOR)
@@ -715,10 +744,8 @@ def dq_kernel_source(spec):
                         start_n + KEY_TILE, last, d, d_v)
                 warp.cp_async_commit()
             at = stage * STAGE
-            if EXACT and (rows_bad or k_flags[b, hk, start_n // FLAG_ROWS] != 0):
-                scores_exact(words, Q_HI_AT, at, s, lane, w)  # S = Q K^T
-            else:
-                scores_s(words, at, q_frag, s, lane)
+            scores_s(words, at, q_frag, s, lane, w,  # S = Q K^T
+                     EXACT and (rows_bad or k_flags[b, hk, start_n // FLAG_ROWS] != 0))
             scores_dp(words, at + V_AT, do_frag, dp, lane)
             interior = start_n >= lo_last and start_n + KEY_TILE <= hi_first
             scale_and_mask(s, qk, mask, bias, mask_steps, bias_steps, b, h, row0,

@@ -58,15 +58,15 @@ from numba import cuda
 from . import warp
 from .compile_cache import jit
 from .convert import _bits_to_float, _float_to_bits, float32, int64
-from .flash_fwd import FASTMATH, ZERO, kernel_part, takes_part
-from .flash_mma import BLOCK_N, make_copy_tile, make_mma_pair
+from .flash_fwd import FASTMATH, ZERO, kernel_part
+from .flash_mma import BLOCK_N, make_copy_tile, make_mma_pair, make_pv_seen_pairs
 
 TOP = 14  # |x c| < 2^TOP
 P_FACTOR = float32(2.0**TOP)
 ABS_BLOCKS = 256  # blocks of the absmax pass a tensor (each thread a stride of the tensor)
 THREADS = 128
 SLOTS = ("q", "k", "v", "dout")  # rows of partial, entries of factors
-FLAG_ROWS = BLOCK_N  # rows a flag covers: as the backward's other pre-pass (flash_mma_bwd)
+FLAG_ROWS = BLOCK_N  # rows a flag covers, here and in flash_mma_bwd's scan of 16-bit inputs
 
 
 def ds_factor(dv):
@@ -201,12 +201,22 @@ def make_copy_tile_halves(ROWS, WIDTH, ROW_WORDS, LO_WORDS, HI_AGAIN=None):
     return copy_tile
 
 
+mma_pair = make_mma_pair(warp.mma_f16)
+
+
+@kernel_part
+def mma_halves(c, nb, a, a_lo, b, b_lo):
+    """c's n-blocks nb and nb + 1 += A B for A = a + a_lo, B = b + b_lo (4-tuples of
+    fragment registers, flash_mma's mma_pair's): lo hi, hi lo, then hi hi (lo lo dropped)."""
+    mma_pair(c, nb, a_lo[0], a_lo[1], a_lo[2], a_lo[3], b[0], b[1], b[2], b[3])
+    mma_pair(c, nb, a[0], a[1], a[2], a[3], b_lo[0], b_lo[1], b_lo[2], b_lo[3])
+    mma_pair(c, nb, a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
+
+
 def make_scores_halves(D, ROW, A_LO_AT, B_LO, KEYS=BLOCK_N):
     """flash_mma's scores (S = A B^T, A's hi fragments in registers) with halves: A's lo
     fragments from the tile at word A_LO_AT (rows of ROW words, the warp's 16 rows at 16 w),
     B's lo tile B_LO words after its hi one."""
-    mma_pair = make_mma_pair(warp.mma_f16)
-
     @kernel_part
     def scores(words, at, a_frag, s, lane):
         m, r, w = lane // 8, lane % 8, cuda.threadIdx.x // 32
@@ -214,16 +224,13 @@ def make_scores_halves(D, ROW, A_LO_AT, B_LO, KEYS=BLOCK_N):
             for e in range(4):
                 s[nb, e] = ZERO
         for kk in range(D // 16):
-            l0, l1, l2, l3 = warp.ldmatrix_x4(
+            a_lo = warp.ldmatrix_x4(
                 words, A_LO_AT + (w * 16 + r + 8 * (m % 2)) * ROW + kk * 8 + 4 * (m // 2))
-            a0, a1, a2, a3 = a_frag[kk, 0], a_frag[kk, 1], a_frag[kk, 2], a_frag[kk, 3]
+            a = (a_frag[kk, 0], a_frag[kk, 1], a_frag[kk, 2], a_frag[kk, 3])
             for n2 in range(KEYS // 16):
                 b_at = at + (n2 * 16 + r + 8 * (m // 2)) * ROW + kk * 8 + 4 * (m % 2)
-                b0, b1, b2, b3 = warp.ldmatrix_x4(words, b_at)
-                c0, c1, c2, c3 = warp.ldmatrix_x4(words, b_at + B_LO)
-                mma_pair(s, 2 * n2, l0, l1, l2, l3, b0, b1, b2, b3)
-                mma_pair(s, 2 * n2, a0, a1, a2, a3, c0, c1, c2, c3)
-                mma_pair(s, 2 * n2, a0, a1, a2, a3, b0, b1, b2, b3)
+                mma_halves(s, 2 * n2, a, a_lo, warp.ldmatrix_x4(words, b_at),
+                           warp.ldmatrix_x4(words, b_at + B_LO))
 
     return scores
 
@@ -231,8 +238,6 @@ def make_scores_halves(D, ROW, A_LO_AT, B_LO, KEYS=BLOCK_N):
 def make_scores_t_halves(KDIM, A_ROW, B_ROW, COLS, A_LO, B_LO):
     """flash_mma_bwd's scores_t (c = A B^T, both from shared memory) with halves: each lo
     tile A_LO (B_LO) words after its hi one."""
-    mma_pair = make_mma_pair(warp.mma_f16)
-
     @kernel_part
     def scores_t(words, a_at, b_at, c, lane, w):
         m, r = lane // 8, lane % 8
@@ -241,15 +246,11 @@ def make_scores_t_halves(KDIM, A_ROW, B_ROW, COLS, A_LO, B_LO):
                 c[nb, e] = ZERO
         for kk in range(KDIM // 16):
             a_word = a_at + (w * 16 + r + 8 * (m % 2)) * A_ROW + kk * 8 + 4 * (m // 2)
-            a0, a1, a2, a3 = warp.ldmatrix_x4(words, a_word)
-            l0, l1, l2, l3 = warp.ldmatrix_x4(words, a_word + A_LO)
+            a, a_lo = warp.ldmatrix_x4(words, a_word), warp.ldmatrix_x4(words, a_word + A_LO)
             for n2 in range(COLS // 16):
                 b_word = b_at + (n2 * 16 + r + 8 * (m // 2)) * B_ROW + kk * 8 + 4 * (m % 2)
-                b0, b1, b2, b3 = warp.ldmatrix_x4(words, b_word)
-                c0, c1, c2, c3 = warp.ldmatrix_x4(words, b_word + B_LO)
-                mma_pair(c, 2 * n2, l0, l1, l2, l3, b0, b1, b2, b3)
-                mma_pair(c, 2 * n2, a0, a1, a2, a3, c0, c1, c2, c3)
-                mma_pair(c, 2 * n2, a0, a1, a2, a3, b0, b1, b2, b3)
+                mma_halves(c, 2 * n2, a, a_lo, warp.ldmatrix_x4(words, b_word),
+                           warp.ldmatrix_x4(words, b_word + B_LO))
 
     return scores_t
 
@@ -258,8 +259,6 @@ def make_pv_halves(DV, V_ROW, B_LO, KEYS=BLOCK_N):
     """flash_mma's pv (acc += X V, X's accumulator fragments packed in registers, V by
     ldmatrix.trans) with halves: X packed as hi and lo (pack_halves), V's lo tile B_LO words
     after its hi one."""
-    mma_pair = make_mma_pair(warp.mma_f16)
-
     @kernel_part
     def pv(words, at, s, acc, lane):
         m, r = lane // 8, lane % 8
@@ -270,37 +269,11 @@ def make_pv_halves(DV, V_ROW, B_LO, KEYS=BLOCK_N):
             a3, l3 = pack_halves(s[2 * n2 + 1, 2], s[2 * n2 + 1, 3])
             for v2 in range(DV // 16):
                 v_word = at + (n2 * 16 + r + 8 * (m % 2)) * V_ROW + v2 * 8 + 4 * (m // 2)
-                b0, b1, b2, b3 = warp.ldmatrix_x4_trans(words, v_word)
-                c0, c1, c2, c3 = warp.ldmatrix_x4_trans(words, v_word + B_LO)
-                mma_pair(acc, 2 * v2, l0, l1, l2, l3, b0, b1, b2, b3)
-                mma_pair(acc, 2 * v2, a0, a1, a2, a3, c0, c1, c2, c3)
-                mma_pair(acc, 2 * v2, a0, a1, a2, a3, b0, b1, b2, b3)
+                mma_halves(acc, 2 * v2, (a0, a1, a2, a3), (l0, l1, l2, l3),
+                           warp.ldmatrix_x4_trans(words, v_word),
+                           warp.ldmatrix_x4_trans(words, v_word + B_LO))
 
     return pv
-
-
-def make_pv_seen_pairs_halves(DV, V_ROW, B_LO, KEYS=BLOCK_N):
-    """flash_mma's pv_seen_pairs (acc += X V in float32, only the pairs taking part) with V
-    as hi + lo (hi alone where it is not finite: an inf stays an inf)."""
-    @kernel_part
-    def pv_seen_pairs(words, at, part, x, acc, lane):
-        g, t = lane // 4, lane % 4
-        for key in range(KEYS):  # as flash_mma's: an element picked by selects
-            for half in range(2):
-                mine_part, mine_x = ZERO, ZERO
-                for nb in range(KEYS // 8):
-                    for e in range(2):
-                        if nb == key // 8 and e == key % 2:
-                            mine_part, mine_x = part[nb, 2 * half + e], x[nb, 2 * half + e]
-                src = 4 * g + key % 8 // 2
-                p, v_x = warp.shfl_idx(mine_part, src), warp.shfl_idx(mine_x, src)
-                if takes_part(p):
-                    for vb in range(DV // 8):
-                        v0, v1 = value_pair(words, at + key * V_ROW + vb * 4 + t, B_LO)
-                        acc[vb, 2 * half] += v_x * v0
-                        acc[vb, 2 * half + 1] += v_x * v1
-
-    return pv_seen_pairs
 
 
 @kernel_part
@@ -310,6 +283,16 @@ def value_pair(words, at, lo):
     h0, h1 = warp.unpack_f16(words[at])
     l0, l1 = warp.unpack_f16(words[at + lo])
     return h0 + l0, h1 + l1
+
+
+def make_pv_seen_pairs_halves(DV, V_ROW, B_LO, KEYS=BLOCK_N):
+    """flash_mma's pv_seen_pairs with V as hi + lo (value_pair; V's lo tile B_LO words after
+    its hi one)."""
+    @kernel_part
+    def load_pair(words, at):
+        return value_pair(words, at, B_LO)
+
+    return make_pv_seen_pairs(DV, V_ROW, load_pair, KEYS)
 
 
 def make_scores_exact(KDIM, A_ROW, B_ROW, COLS, A_LO, B_LO):
