@@ -4,7 +4,7 @@
                                          [--sweep] [--budget-s 600]
 
 On the same inputs, in one run: our kernel (numba: the SIMT kernel; numba-mma: the tensor-core
-kernel, 16-bit dtypes), torch SDPA forced to each backend (flash, efficient, cudnn, math),
+kernel, float32 as float16 halves), torch SDPA forced to each backend (flash, efficient, cudnn, math),
 and the fp32 (TF32 off) and bf16 matrix-product ceilings (torch). Shapes
 (B, H, N, D) = (4, 16, N, 64) and (2, 16, N, 128), causal and not, per dtype; decoding shapes
 (Nq = 1, Nk up to 32768, B * H = 64), with and without split-KV. CUDA events, warm-up,
@@ -116,7 +116,7 @@ def run_shape(rows, dtype, B, Hq, Hk, Nq, Nk, D, causal, impls, ceiling, spec=No
     if "numba" in impls:
         calls[label] = lambda: flash_attention(q, k, v, causal="top_left" if causal else False,
                                                spec=spec, num_splits=num_splits, kernel="simt")
-    if "numba-mma" in impls and dtype != "float32" and spec is None and D % 8 == 0 \
+    if "numba-mma" in impls and spec is None and D % 8 == 0 \
             and D <= 128 and num_splits is None:
         calls["numba-mma"] = lambda: flash_attention(
             q, k, v, causal="top_left" if causal else False, kernel="mma")

@@ -30,16 +30,18 @@ BACKWARD_FLOPS = 2.5  # times the forward's
 
 
 def calls(name, q, k, v, dout, causal):
-    """(forward plus backward, backward alone) of implementation `name`: numba-plain and
-    numba-tuned call the kernels directly (flash_attention_backward's kernel=), the SDPA
-    backends go through autograd (their backward follows the forward's kernel)."""
+    """(forward plus backward, backward alone) of implementation `name`: numba-plain,
+    numba-tuned and numba-mma call the kernels directly (flash_attention_backward's
+    kernel=; float32's forward the SIMT kernel, but the tensor-core one for numba-mma), the
+    SDPA backends go through autograd (their backward follows the forward's kernel)."""
     if name.startswith("numba-"):
         kernel, opts = name.split("-")[1], dict(causal="top_left" if causal else False)
+        forward = "mma" if kernel == "mma" else "simt" if q.dtype == torch.float32 else "auto"
         qd, kd, vd = (x.detach() for x in (q, k, v))
-        out, lse = flash_attention(qd, kd, vd, return_lse=True, **opts)
+        out, lse = flash_attention(qd, kd, vd, return_lse=True, kernel=forward, **opts)
 
         def both():
-            o, s = flash_attention(qd, kd, vd, return_lse=True, **opts)
+            o, s = flash_attention(qd, kd, vd, return_lse=True, kernel=forward, **opts)
             return flash_attention_backward(qd, kd, vd, o, s, dout, kernel=kernel, **opts)
 
         return both, lambda: flash_attention_backward(qd, kd, vd, out, lse, dout,

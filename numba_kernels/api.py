@@ -13,8 +13,9 @@ from .convert import SIMULATOR
 from .flash_fwd import LOG2E, kernel_args
 from . import replay
 from .launch import launch
-from .flash_mma import (BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, MMA_ARG_NAMES,
-                        MmaSpec, mma_kernel, mma_plan, mma_width as pad_mma)
+from .flash_mma import (BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, FLAG_ROWS,
+                        MMA_ARG_NAMES, MmaSpec, mma_kernel, mma_plan, mma_width as pad_mma)
+from .halves import ABS_BLOCKS, SLOTS, THREADS as HALVES_THREADS, HalvesSpec, halves_kernel
 from .plain_fwd import PLAIN_ARG_NAMES, plain_kernel, plain_tiles
 from .specs import (DTYPES, MAX_HEAD_DIM, build_kernel, build_merge, choose_spec, launch_grid,
                     pad)
@@ -48,10 +49,13 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     (split_kv.py); None chooses: splits only when the query tiles alone leave the GPU's SMs
     idle (decoding). spec: a KernelSpec that forces one variant of the SIMT kernel (for
     benchmarks); by default specs.choose_spec picks it. kernel: "auto" (the default: the
-    tensor-core kernel where it applies, else the SIMT one), "simt" (flash_fwd.py, every dtype
-    and head dims up to 256) or "mma" (flash_mma.py: float16 and bfloat16, head dims
-    multiples of 8 up to 128; a ValueError says why where it does not apply); kernel_plan
-    tells which one a call gets, and why.
+    tensor-core kernel for 16-bit inputs where it applies, else the SIMT one), "simt"
+    (flash_fwd.py, every dtype and head dims up to 256) or "mma" (flash_mma.py: float16 and
+    bfloat16, and float32 as two float16 halves a value (halves.py), 3 times faster than
+    "simt" in float32, whose scores flash_attention_backward(kernel="mma") then recomputes
+    bit for bit; head dims multiples of 8 up to 128, float32 with a mask or bias up to 64; a
+    ValueError says why where it does not apply); kernel_plan tells which one a call gets,
+    and why.
     """
     if type(q).__module__.startswith("torch") and spec is None:
         from . import autograd
@@ -67,20 +71,24 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
 
 
 KERNELS = ("simt", "mma", "auto")
+# why "auto" leaves float32 to the SIMT kernels, forward and backward alike
+FLOAT32_ASKED = ("float32 takes the tensor cores (as float16 halves) only when asked, "
+                 "kernel='mma' (PERF.md, 'float16 halves, forward too')")
 
 
 def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
                 window=None, num_splits=None, spec=None, kernel="auto"):
     """(kernel, why): which forward kernel flash_attention runs for these arguments, "simt"
     (flash_fwd.py) or "mma" (flash_mma.py), and why. kernel="auto" takes the tensor-core
-    kernel where it applies (float16 and bfloat16, head dims multiples of 8 up to 128, no
-    spec of the SIMT kernel given) and says why not where it falls back; "mma" raises
+    kernel where it applies (flash_mma.mma_plan: head dims multiples of 8 up to 128; no
+    spec of the SIMT kernel given) for float16 and bfloat16 (float32 only when asked:
+    FLOAT32_ASKED) and says why not where it falls back; "mma" raises
     ValueError with that reason instead. num_splits is taken as flash_attention takes it;
     both kernels split the keys, so it does not decide."""
     _check_kernel(kernel)
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
-    return _plan(pb, kernel, spec)
+    return _plan(pb, kernel, spec, mask is not None or bias is not None)
 
 
 def _check_kernel(kernel):
@@ -88,13 +96,15 @@ def _check_kernel(kernel):
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
 
 
-def _plan(pb, kernel, spec):
-    """kernel_plan for a checked problem pb."""
+def _plan(pb, kernel, spec, has_mask):
+    """kernel_plan for a checked problem pb (has_mask: a mask or bias is given)."""
     if kernel == "simt":
         return "simt", "asked for"
-    why_not = mma_plan(pb)
+    why_not = mma_plan(pb, has_mask)
     if why_not is None and spec is not None:
         why_not = "a spec (a variant of the SIMT kernel) was given"
+    if why_not is None and kernel == "auto" and pb.dtype == "float32":
+        why_not = FLOAT32_ASKED
     if why_not is None:
         return "mma", "asked for" if kernel == "mma" else "16-bit inputs it takes"
     if kernel == "mma":
@@ -116,7 +126,7 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
             return found.run((q, k, v))
     with replay.recording(key, (q, k, v)) as recorded:
         pb, io, out, lse = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
-        if _plan(pb, kernel, spec)[0] == "mma":
+        if _plan(pb, kernel, spec, mask is not None or bias is not None)[0] == "mma":
             _mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits)
         else:
             _simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
@@ -248,12 +258,13 @@ def plain_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
 
 def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
                   kv_lengths=None, window=None, return_lse=False, num_splits=None):
-    """The tensor-core kernel (flash_mma.py: mma.sync, float16 and bfloat16 inputs) with
-    flash_attention's arguments, checks and array handling, split-KV included. Raises
-    ValueError naming the reason where it does not apply (flash_mma.mma_plan)."""
+    """The tensor-core kernel (flash_mma.py: mma.sync, float16 and bfloat16 inputs, float32
+    as float16 halves) with flash_attention's arguments, checks and array handling, split-KV
+    included. Raises ValueError naming the reason where it does not apply
+    (flash_mma.mma_plan)."""
     _check_num_splits(num_splits)
     pb, io, out, lse = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
-    why_not = mma_plan(pb)
+    why_not = mma_plan(pb, mask is not None or bias is not None)
     if why_not:
         raise ValueError(f"the tensor-core kernel does not apply: {why_not}")
     _mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits)
@@ -263,26 +274,60 @@ def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
 def _mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits):
     """The tensor-core kernel (flash_mma.py) into out and lse, split-KV merged: its fast
     variant, then its careful variant for the blocks the fast one deferred (a row that
-    ended non-finite; most often none, and its blocks return at once)."""
+    ended non-finite, or, float32, a Q or K tile holding a NaN or an inf; most often none,
+    and its blocks return at once). float32 goes through halves.py's pre-pass first."""
     if pb.batch * pb.heads_q * pb.n_q > 0:
         q_tiles = -(-pb.n_q // MMA_BLOCK_M)
         n_splits, split_len = _splits(pb, q_tiles * pb.batch * pb.heads_q, MMA_BLOCK_N,
                                       num_splits)
         mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
         dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
+        deferred = io.scratch((n_splits * pb.batch, pb.heads_q, q_tiles))
+        named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v))
+        if pb.dtype == "float32":
+            named, flags = _halves(io, named, ("q", "k", "v"))
+            del flags["v_flags"]  # a V tile's NaN or inf: the careful variant's own test
+        else:  # not read by the 16-bit variants
+            flags = dict(q_flags=deferred, k_flags=deferred, factors=io.flat(io.dev(dest[1])))
         args = kernel_args(
-            MMA_ARG_NAMES, q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev,
-            bias=bias_dev, kv_lengths=lengths,
-            deferred=io.scratch((n_splits * pb.batch, pb.heads_q, q_tiles)),
-            out=io.dev(dest[0]), lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d, dv=pb.dv,
-            group=pb.group, heads_q=pb.heads_q, split_len=split_len, **_band(pb), **steps)
+            MMA_ARG_NAMES, **named, **flags, mask=mask_dev, bias=bias_dev, kv_lengths=lengths,
+            deferred=deferred, out=io.dev(dest[0]), lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d,
+            dv=pb.dv, group=pb.group, heads_q=pb.heads_q, split_len=split_len, **_band(pb),
+            **steps)
         for careful in (False, True):
             spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype,
                            mask is not None or bias is not None, n_splits > 1, careful)
             launch(mma_kernel(spec), spec, (q_tiles, pb.batch * pb.heads_q, n_splits), 128,
-                   io.stream, *args)
+                   io.stream, *args, shared=spec.dynamic_shared_bytes)
         if n_splits > 1:
             _merge(io, pb, dest, out, lse, n_splits)
+
+
+def _halves(io, named, names=SLOTS):
+    """(named with the tensors `names` (of q, k, v, dout) as float16 halves on the device
+    (2B, H, N, W): hi at b, lo at B + b; {x_flags} of each, and the scales' `factors`), from
+    halves.py's pre-pass: one absmax launch for them all, a split launch each. No wait for
+    the host. The forward and the backward split q and k alike: the same halves."""
+    assert names == SLOTS[:len(names)], names  # blockIdx.y and `slot` index SLOTS
+    largest = max(int(np.prod(named[n].shape)) for n in names)
+    blocks = max(1, min(ABS_BLOCKS, -(-largest // HALVES_THREADS)))  # each a stride of them
+    partial = io.dev(io.empty((len(SLOTS), blocks), "float32"))
+    factors = io.dev(io.empty((2 * len(SLOTS),), "float32"))
+    spec = HalvesSpec("absmax")  # rows of partial past len(names) are not written
+    tensors = [io.flat(named[n]) for n in names]
+    launch(halves_kernel(spec), spec, (blocks, len(names)), HALVES_THREADS, io.stream,
+           *(tensors + tensors[-1:] * (len(SLOTS) - len(names))), partial)
+    named, flags, spec = dict(named), {"factors": factors}, HalvesSpec("split")
+    for slot, name in enumerate(names):
+        x = named[name]
+        batch, heads, rows, width = x.shape
+        tiles = -(-rows // FLAG_ROWS)
+        named[name] = io.dev(io.empty((2 * batch, heads, rows, width), "float16"))
+        flags[f"{name}_flags"] = io.scratch((batch, heads, max(tiles, 1)))
+        if batch * heads * rows:
+            launch(halves_kernel(spec), spec, (tiles, batch * heads), HALVES_THREADS,
+                   io.stream, x, named[name], partial, factors, flags[f"{name}_flags"], slot)
+    return named, flags
 
 
 def _sm_count():

@@ -5,7 +5,7 @@ import numpy as np
 
 from reference.contract import _shape4
 from reference.dtypes import dtype_name
-from .api import _band, _begin, _side_inputs
+from .api import _band, _begin, _halves, _side_inputs
 from .flash_fwd import kernel_args
 from .launch import launch
 from .plain_bwd import (DELTA_ARGS, DELTA_THREADS, DKDV_ARGS, DQ_ARGS, plain_bwd_kernel)
@@ -13,10 +13,8 @@ from .plain_fwd import plain_tiles
 from .flash_bwd import BwdSpec, bwd_width
 from .flash_mma import mma_plan, mma_width
 from .flash_mma_bwd import (BLOCK as MMA_BLOCK, FLAG_ROWS, MMA_BWD_DTYPES, MMA_DKDV_ARGS,
-                            MMA_DQ_ARGS,
-                            SCAN_THREADS, THREADS as MMA_THREADS, MmaBwdSpec, ScanSpec,
-                            mma_bwd_kernel, scan_kernel)
-from .halves import ABS_BLOCKS, SLOTS, THREADS as HALVES_THREADS, HalvesSpec, halves_kernel
+                            MMA_DQ_ARGS, SCAN_THREADS, THREADS as MMA_THREADS, MmaBwdSpec,
+                            ScanSpec, mma_bwd_kernel, scan_kernel)
 from .specs import pad, tuned_bwd_kernel
 
 
@@ -32,12 +30,14 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     two calls give bitwise equal gradients (no atomic adds). Arithmetic is float32.
     dlse: the gradient of lse too, (B, Hq, Nq) float32, where the loss used it: since
     d lse_i / d s_ij = P_ij, it enters as delta - dlse (dS = P * (dP - delta + dlse)).
-    kernel: "auto" (the default: "mma" for 16-bit inputs where it applies, else "tuned"),
-    "mma" (flash_mma_bwd.py: tensor cores, float16 and bfloat16, and float32 as two float16
-    halves a value (halves.py: 2.2-3.9 times faster than "tuned", but its scores carry 22
-    bits, which fails verify's rule where scores are in the thousands); head dims multiples
-    of 8 up to 128, float32 with a mask or bias up to 64; ValueError where it does not
-    apply), "tuned" (flash_bwd.py, register micro-tiles
+    kernel: "auto" (the default, the same choice as flash_attention's "auto" forward: "mma"
+    for 16-bit inputs where it applies, else "tuned"), "mma" (flash_mma_bwd.py: tensor
+    cores, float16 and bfloat16, and float32 as two float16 halves a value (halves.py:
+    2.2-3.9 times faster than "tuned"); head dims multiples of 8 up to 128, float32 with a
+    mask or bias up to 64; ValueError where it does not apply; float32's scores are the
+    forward's bit for bit when out and lse came from flash_attention(kernel="mma"): after
+    the SIMT forward's take "tuned", whose scores round as that forward's do), "tuned"
+    (flash_bwd.py, register micro-tiles
     over shared-memory tiles) or "plain" (plain_bwd.py, one thread per key or row: the one
     to read first). Every kernel keeps a NaN or an inf in a pair that takes no part out of
     the gradients: the tensor-core kernels flag the tiles of q, k and dout that hold one
@@ -47,11 +47,11 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
         raise ValueError(f"kernel must be one of {sorted(KERNELS) + ['auto']}, got {kernel!r}")
     pb, io, _, _ = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
     _check_saved(pb, out, lse, dout)
-    why_not = mma_bwd_plan(pb, mask is not None or bias is not None)
+    why_not = mma_plan(pb, mask is not None or bias is not None, MMA_BWD_DTYPES)
     if why_not and kernel == "mma":
         raise ValueError(f"kernel='mma': {why_not}")
-    if kernel == "auto":  # float32 takes the tuned kernels: halves.py says why
-        kernel = "mma" if mma_plan(pb) is None else "tuned"
+    if kernel == "auto":  # as the forward's "auto": float32 to the SIMT kernels too
+        kernel = "mma" if why_not is None and pb.dtype != "float32" else "tuned"
     dq = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.d), pb.dtype)
     dk = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.d), pb.dtype)
     dv = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.dv), pb.dtype)
@@ -106,16 +106,6 @@ def _tuned(pb, io, named, grads, width, has_mask):
                    shared=spec.dynamic_shared_bytes)
 
 
-def mma_bwd_plan(pb, has_mask):
-    """Why the tensor-core backward does not apply to problem pb, or None: the forward's
-    conditions (flash_mma.mma_plan), float32 taken too (as float16 halves, halves.py) but
-    not with a mask or bias above head dims of 64 (MmaBwdSpec.ships)."""
-    if pb.dtype == "float32" and has_mask and max(pb.d, pb.dv) > 64:
-        return (f"float32 with a mask or bias at head dims D={pb.d}, Dv={pb.dv}: it takes "
-                "them up to 64 (above, the halves' kernels spill registers)")
-    return mma_plan(pb, MMA_BWD_DTYPES)
-
-
 def _mma(pb, io, named, grads, width, has_mask):
     """The tensor-core dK/dV and dQ kernels (flash_mma_bwd.py), after the pre-pass flags the
     tiles of q, dout and k that hold a NaN or an inf (and, for float32, splits q, k, v and
@@ -141,30 +131,6 @@ def _mma(pb, io, named, grads, width, has_mask):
 
 
 KERNELS = {"plain": _plain, "tuned": _tuned, "mma": _mma}
-
-
-def _halves(io, named):
-    """(named with q, k, v and dout as float16 halves on the device (2B, H, N, W): hi at b,
-    lo at B + b; the flags of q, dout and k, and the scales' `factors`), from halves.py's
-    pre-pass: one absmax launch for all four, a split launch each. No wait for the host."""
-    largest = max(int(np.prod(named[n].shape)) for n in SLOTS)
-    blocks = max(1, min(ABS_BLOCKS, -(-largest // HALVES_THREADS)))  # each a stride of them
-    partial = io.dev(io.empty((len(SLOTS), blocks), "float32"))
-    factors = io.dev(io.empty((2 * len(SLOTS),), "float32"))
-    spec = HalvesSpec("absmax")
-    launch(halves_kernel(spec), spec, (blocks, len(SLOTS)), HALVES_THREADS, io.stream,
-           *(io.flat(named[n]) for n in SLOTS), partial)
-    named, flags, spec = dict(named), {"factors": factors}, HalvesSpec("split")
-    for slot, name in enumerate(SLOTS):
-        x = named[name]
-        batch, heads, rows, width = x.shape
-        tiles = -(-rows // FLAG_ROWS)
-        named[name] = io.dev(io.empty((2 * batch, heads, rows, width), "float16"))
-        flags[f"{name}_flags"] = io.scratch((batch, heads, max(tiles, 1)))
-        if batch * heads * rows:
-            launch(halves_kernel(spec), spec, (tiles, batch * heads), HALVES_THREADS,
-                   io.stream, x, named[name], partial, factors, flags[f"{name}_flags"], slot)
-    return named, flags
 
 
 def _flags(io, pb, x):

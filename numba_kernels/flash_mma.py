@@ -1,6 +1,10 @@
 """The FlashAttention-2 forward on tensor cores, for float16 and bfloat16 inputs: the algorithm of
 reference/tiled.py with the products S = Q K^T and P V done by mma.sync (warp.py), float32
-accumulation throughout.
+accumulation throughout. float32 inputs (MmaSpec dtype "float32") go as two float16 halves a
+value, each product three mma.sync (halves.py): every tile has its lo half beside it and Q's
+stays in shared memory (MmaSpec.layout, dynamic shared memory), P is split in registers; a
+Q or K tile holding a NaN or an inf (the pre-pass's flags) defers its block to the careful
+variant, whose scores of such tile pairs are float32 dot products (halves.scores_exact).
 
     grid:    (query tiles of BLOCK_M = 64 rows, the last first; B * Hq; key splits (split-KV; 1
              without)); under a causal band the blocks run tile by tile across each group of
@@ -51,13 +55,23 @@ from .flash_fwd import (F_LN2, NEG_INF, NO_PART, ZERO, ARGS, FASTMATH, check_par
 from .compile_cache import jit
 
 DEFERRED = ("deferred", "flags", "(splits * B, Hq, query tiles) uint8: 1 where a block of the "
-            "fast variant ended with a row that is not finite, which the careful one does again")
+            "fast variant ended with a row that is not finite (or, float32, its Q or K tiles hold "
+            "a NaN or an inf), which the careful one does again")
+FACTORS = ("factors", "factors", "(8,) float32: float32 inputs' scales c_q, c_k, c_v, c_dout "
+           "and their inverses (halves.py); not read for 16-bit inputs")
+FLAGGED = tuple((f"{n}_flags", "flags", f"(B, H, rows / 32) uint8: 1 where 32 rows of {n} hold "
+                 "a NaN or an inf (halves.py's split); not read for 16-bit inputs")
+                for n in ("q", "k")) + (FACTORS, DEFERRED)
 MMA_ARGS = tuple(x for a in ARGS if a[0] != "n_tiles"
-                 for x in ((DEFERRED, a) if a[0] == "out" else (a,)))  # deferred before out
+                 for x in (FLAGGED + (a,) if a[0] == "out" else (a,)))  # before out
 MMA_ARG_NAMES = tuple(name for name, _, _ in MMA_ARGS)
-MMA_DTYPES = ("float16", "bfloat16")
+MMA_DTYPES = ("float16", "bfloat16")  # what mma.sync multiplies
+MMA_INPUT_DTYPES = MMA_DTYPES + ("float32",)  # float32: each value as two float16 halves
 MMA_WIDTHS = (64, 128)  # head dims are zero-padded to one of these
+HALVES_MASK_WIDTH = 64  # float32 with a mask or bias: head dims up to this (above, spills)
 BLOCK_M, WARPS, BLOCK_N = 64, 4, 32
+FLAG_ROWS = BLOCK_N  # rows of q, k or dout a pre-pass flag covers (halves.py, flash_mma_bwd)
+THREADS = 32 * WARPS
 ONE = float32(1.0)
 PAD = 8  # 16-bit values after each shared row
 
@@ -68,7 +82,7 @@ class MmaSpec:
 
     d: int
     dv: int
-    dtype: str
+    dtype: str  # float32 is multiplied as float16 halves (halves.py)
     has_mask: bool
     partial: bool = False  # split-KV: float32 partial results for split_kv's merge
     careful: bool = False  # the variant for the blocks the fast one deferred (V not finite)
@@ -76,22 +90,61 @@ class MmaSpec:
     def check(self):
         if self.d not in MMA_WIDTHS or self.dv not in MMA_WIDTHS:
             raise ValueError(f"MmaSpec: d and dv must be in {MMA_WIDTHS}, got {self}")
-        if self.dtype not in MMA_DTYPES:
-            raise ValueError(f"MmaSpec: dtype must be one of {MMA_DTYPES}, got {self.dtype!r}")
+        if self.dtype not in MMA_INPUT_DTYPES:
+            raise ValueError(f"MmaSpec: dtype must be one of {MMA_INPUT_DTYPES}, got "
+                             f"{self.dtype!r}")
+        return self
 
     @property
-    def words(self):
-        """(row words of a Q/K tile, of a V tile, words of a stage, total shared words)."""
+    def halves(self):
+        """Whether each operand is two float16 halves (float32 inputs)."""
+        return self.dtype == "float32"
+
+    @property
+    def ships(self):
+        """Whether calls launch it (halves_ship)."""
+        return halves_ship(self.dtype, self.has_mask, self.d, self.dv)
+
+    @property
+    def layout(self):
+        """Where the shared tiles start, in 32-bit words (the module's docstring draws them):
+        row words of a Q/K and a V tile, K's lo tile `k_lo` after its hi one, the V tile
+        `k_tile` after K (its lo tile `v_lo` after its hi one), `stage`'s words, and for
+        halves Q's lo tile (at `q_lo_at`, after the stages) and, in the careful variant, Q's
+        hi tile again (`q_hi_at`, for scores_exact); the total `words`."""
         k_row, v_row = (self.d + PAD) // 2, (self.dv + PAD) // 2
-        stage = BLOCK_N * (k_row + v_row)
-        return k_row, v_row, stage, stage + max(stage, BLOCK_M * k_row)
+        n = 2 if self.halves else 1
+        k_tile = n * BLOCK_N * k_row
+        stage = k_tile + n * BLOCK_N * v_row
+        q_lo_at = 2 * stage
+        q_hi_at = q_lo_at + BLOCK_M * k_row
+        words = stage + max(stage, BLOCK_M * k_row)  # Q lands in the second stage
+        if self.halves:
+            words = q_hi_at + (BLOCK_M * k_row if self.careful else 0)
+        return dict(k_row=k_row, v_row=v_row, k_lo=BLOCK_N * k_row, k_tile=k_tile,
+                    v_lo=BLOCK_N * v_row, stage=stage, q_lo_at=q_lo_at, q_hi_at=q_hi_at,
+                    words=words)
+
+    @property
+    def dynamic_shared_bytes(self):
+        """Bytes of dynamic shared memory a launch passes: the halves' tiles take more than
+        the static 48 KB; 0 for the 16-bit variants (a static array)."""
+        return 4 * self.layout["words"] if self.halves else 0
+
+
+def halves_ship(dtype, has_mask, d, dv):
+    """Whether the float32 (halves) kernels, forward and backward alike, take a call: not
+    with a mask or bias above head dims of HALVES_MASK_WIDTH, where the backward's registers
+    spill. One rule for both: the backward's scores are then the forward's, bit for bit."""
+    return not (dtype == "float32" and has_mask and max(d, dv) > HALVES_MASK_WIDTH)
 
 
 def mma_specs():
     """Every variant the PTX report compiles."""
-    return [MmaSpec(d, dv, dtype, m, p, c) for d in MMA_WIDTHS for dv in MMA_WIDTHS
-            for dtype in MMA_DTYPES for m in (False, True) for p in (False, True)
-            for c in (False, True)]
+    specs = (MmaSpec(d, dv, dtype, m, p, c).check() for d in MMA_WIDTHS for dv in MMA_WIDTHS
+             for dtype in MMA_INPUT_DTYPES for m in (False, True) for p in (False, True)
+             for c in (False, True))
+    return [s for s in specs if s.ships]
 
 
 def mma_width(d):
@@ -99,15 +152,19 @@ def mma_width(d):
     return next((w for w in MMA_WIDTHS if w >= d), None)
 
 
-def mma_plan(pb, dtypes=MMA_DTYPES):
-    """Why the tensor-core kernel does not apply to problem pb (reference.contract's), or
-    None: inputs of `dtypes` (the forward's: 16-bit), head dims multiples of 8 (whole
-    16-byte copies) up to the widest."""
+def mma_plan(pb, has_mask=False, dtypes=MMA_INPUT_DTYPES):
+    """Why the tensor-core kernels do not apply to problem pb (reference.contract's), or
+    None: inputs of `dtypes` (float32 as float16 halves), head dims multiples of 8 (whole
+    16-byte copies) up to the widest, float32 with a mask or bias (has_mask) up to
+    HALVES_MASK_WIDTH (halves_ship). The forward and the backward ask the same."""
     if pb.dtype not in dtypes:
         return f"dtype {pb.dtype}: it takes {', '.join(dtypes)}"
     if pb.d % 8 or pb.dv % 8 or max(pb.d, pb.dv) > MMA_WIDTHS[-1]:
         return (f"head dims D={pb.d}, Dv={pb.dv}: it takes multiples of 8 up to "
                 f"{MMA_WIDTHS[-1]}")
+    if not halves_ship(pb.dtype, has_mask, pb.d, pb.dv):
+        return (f"float32 with a mask or bias at head dims D={pb.d}, Dv={pb.dv}: it takes "
+                f"them up to {HALVES_MASK_WIDTH} (above, the halves' kernels spill registers)")
     return None
 
 
@@ -406,11 +463,60 @@ def make_acc_finite(VB):
     return acc_finite
 
 
-def make_store_out(DV, store):
+@kernel_part
+def own_flagged(flags, b, h, start):
+    """Whether the 2 FLAG_ROWS rows from `start` of head h are flagged in `flags` (a block's
+    own 64 rows: BLOCK_M here, flash_mma_bwd's BLOCK)."""
+    f = start // FLAG_ROWS
+    return flags[b, h, f] != 0 or (f + 1 < flags.shape[2] and flags[b, h, f + 1] != 0)
+
+
+@kernel_part
+def tiles_flagged(flags_a, flags_b, b, h_first, heads, first_row, last_row, tid, own_bad):
+    """Whether the flags of rows first_row .. last_row (inclusive; none when last_row <
+    first_row) of heads h_first .. + heads in flags_a or flags_b, or own_bad, say a NaN or an
+    inf, for the whole block: its threads read the flags side by side. A barrier (every
+    thread calls it)."""
+    bad = 1 if own_bad else 0
+    if last_row >= first_row:  # no run-time division (a 64-bit one is a subroutine)
+        first, last = first_row // FLAG_ROWS, last_row // FLAG_ROWS
+        for hh in range(h_first, h_first + heads):
+            for f in range(first + tid, last + 1, THREADS):
+                if flags_a[b, hh, f] != 0 or flags_b[b, hh, f] != 0:
+                    bad = 1
+    return cuda.syncthreads_or(bad) != 0
+
+
+def make_q_scores(scores, exact, Q_HI_AT):
+    """S = Q K^T: scores (Q's fragments in registers), or where the call says `slow` (a tile
+    pair holding a NaN or an inf) halves.scores_exact from Q's tiles at Q_HI_AT (hi) and
+    after; exact None (16-bit, or a variant without the slow path): scores alone."""
+    if exact is None:
+        @kernel_part
+        def plain(words, at, q_frag, s, lane, w, slow):
+            scores(words, at, q_frag, s, lane)
+
+        return plain
+
     @kernel_part
-    def store_out(out, lse, m_i, l_i, acc, ob, h, row0, n_q, dv, lane):
+    def either(words, at, q_frag, s, lane, w, slow):
+        if slow:
+            exact(words, Q_HI_AT, at, s, lane, w)
+        else:
+            scores(words, at, q_frag, s, lane)
+
+    return either
+
+
+def make_store_out(DV, store, P_BACK=None):
+    HALVES, BACK = P_BACK is not None, P_BACK or ONE
+
+    @kernel_part
+    def store_out(out, lse, m_i, l_i, acc, ob, h, row0, n_q, dv, out_factor, lane):
         """out = acc / l and lse = (m_i + log2 l) * ln 2 at batch index ob, l the sum of the 4
-        lanes' parts; a row that saw no key: out = 0, lse = -inf."""
+        lanes' parts; a row that saw no key: out = 0, lse = -inf. With halves (P_BACK given)
+        acc is in the units of P' = P / P_BACK and V' = V c_v (halves.py): times out_factor
+        (1 / c_v), then P_BACK, after the division (each step exact where out is normal)."""
         t = lane % 4
         for half in range(2):
             l_row = l_i[half]
@@ -424,40 +530,81 @@ def make_store_out(DV, store):
                     for e in range(2):
                         col = vb * 8 + 2 * t + e
                         if col < dv:
-                            out[ob, h, row, col] = store(acc[vb, 2 * half + e] * inv_l)
+                            value = acc[vb, 2 * half + e] * inv_l
+                            if HALVES:
+                                value = value * out_factor * BACK
+                            out[ob, h, row, col] = store(value)
                 if t == 0:
                     lse[ob, h, row] = NEG_INF if empty else (m_i[half] + math.log2(l_row)) * F_LN2
 
     return store_out
 
 
+def _parts16(spec):
+    """(copy_kv, copy_q, scores, pv, pv_seen_pairs) of a 16-bit variant."""
+    lay = spec.layout
+    D, DV, K_ROW, V_ROW = spec.d, spec.dv, lay["k_row"], lay["v_row"]
+    mma, pack, unpack = ((warp.mma_f16, warp.pack_f16, warp.unpack_f16) if spec.dtype ==
+                         "float16" else (warp.mma_bf16, warp.pack_bf16, warp.unpack_bf16))
+    copy_kv = make_copy_kv(make_copy_tile(BLOCK_N, D, K_ROW), make_copy_tile(BLOCK_N, DV, V_ROW),
+                           lay["k_tile"])
+    return (copy_kv, make_copy_tile(BLOCK_M, D, K_ROW),
+            make_q_scores(make_scores(D, K_ROW, mma), None, 0), make_pv(DV, V_ROW, mma, pack),
+            make_pv_seen_pairs(DV, V_ROW, make_unpacked(unpack)))
+
+
+def make_forward_factors(HALVES, P_FACTOR):
+    @kernel_part
+    def forward_factors(factors, qk_scale):
+        """(the scores' factor, out's): qk_scale and 1 for 16-bit inputs; with halves
+        qk_scale / (c_q c_k) (halves.score_factor, as the backward computes it) and 1 / c_v."""
+        if not HALVES:
+            return qk_scale, ONE
+        return qk_scale * factors[4] * factors[5], factors[6]
+
+    @kernel_part
+    def scale_p(s):
+        """P' = P P_FACTOR in place, before halves.pack_halves splits it (halves.py)."""
+        if HALVES:
+            for nb in range(s.shape[0]):
+                for e in range(4):
+                    s[nb, e] *= P_FACTOR
+
+    return forward_factors, scale_p
+
+
 def kernel_source(spec):
     """The kernel for variant `spec` as a Python function (for cuda.jit or compile_ptx)."""
     spec.check()
-    D, DV = spec.d, spec.dv
-    K_ROW, V_ROW, STAGE, WORDS = spec.words
-    K_TILE = BLOCK_N * K_ROW  # words of the K tile: the V tile follows it in a stage
+    D, DV, lay = spec.d, spec.dv, spec.layout
+    K_ROW, STAGE, K_TILE = lay["k_row"], lay["stage"], lay["k_tile"]  # V K_TILE words after K
+    WORDS = 0 if spec.halves else lay["words"]  # 0: dynamic, as the launch makes it
     NB, VB, KSTEPS = BLOCK_N // 8, DV // 8, D // 16
-    CAREFUL = spec.careful
-    mma = warp.mma_f16 if spec.dtype == "float16" else warp.mma_bf16
-    pack = warp.pack_f16 if spec.dtype == "float16" else warp.pack_bf16
-    unpack = warp.unpack_f16 if spec.dtype == "float16" else warp.unpack_bf16
-    copy_kv = make_copy_kv(make_copy_tile(BLOCK_N, D, K_ROW), make_copy_tile(BLOCK_N, DV, V_ROW),
-                           K_TILE)
-    load_q = make_load_q(make_copy_tile(BLOCK_M, D, K_ROW), copy_kv,
-                         make_load_q_fragments(D, K_ROW), STAGE)
-    init_rows, scores = make_init_rows(VB), make_scores(D, K_ROW, mma)
+    CAREFUL, HALVES = spec.careful, spec.halves
+    EXACT = HALVES and CAREFUL  # scores_exact for tile pairs holding a NaN or an inf
+    if HALVES:
+        from . import halves  # (it builds on this module's parts)
+
+        copy_kv, copy_q, scores, pv, pv_seen_pairs = halves.forward_parts(spec)
+        P_FACTOR, P_BACK = halves.P_FACTOR, float32(1.0 / halves.P_FACTOR)
+    else:
+        copy_kv, copy_q, scores, pv, pv_seen_pairs = _parts16(spec)
+        P_FACTOR, P_BACK = ONE, None
+    load_q = make_load_q(copy_q, copy_kv, make_load_q_fragments(D, K_ROW), STAGE)
+    init_rows = make_init_rows(VB)
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
                                          spec.has_mask)
     online_softmax = make_online_softmax(NB, VB)
-    pv, pv_seen_pairs = make_pv(DV, V_ROW, mma, pack), make_pv_seen_pairs(DV, V_ROW, make_unpacked(unpack))
-    tile_nonfinite = make_tile_nonfinite(DV, V_ROW, EXPONENT_BITS[spec.dtype])
+    forward_factors, scale_p = make_forward_factors(HALVES, P_FACTOR)
+    tile_nonfinite = make_tile_nonfinite(DV, lay["v_row"],
+                                         EXPONENT_BITS["float16" if HALVES else spec.dtype])
     acc_finite = make_acc_finite(VB)
-    store_out = make_store_out(DV, CONVERTERS["float32" if spec.partial else spec.dtype][1])
+    store_out = make_store_out(DV, CONVERTERS["float32" if spec.partial else spec.dtype][1],
+                               P_BACK)
 
-    def flash_mma(q, k, v, mask, bias, kv_lengths, deferred, out, lse, n_q, d, dv, group,
-                  heads_q, split_len, qk_scale, left, right, bottom_right, mask_steps,
-                  bias_steps):
+    def flash_mma(q, k, v, mask, bias, kv_lengths, q_flags, k_flags, factors, deferred, out,
+                  lse, n_q, d, dv, group, heads_q, split_len, qk_scale, left, right,
+                  bottom_right, mask_steps, bias_steps):
         words = cuda.shared.array(WORDS, uint32)  # two stages; Q lands in the second first
         q_frag = cuda.local.array((KSTEPS, 4), uint32)  # this warp's rows of Q, A fragments
         s = cuda.local.array((NB, 4), float32)  # S, then P, of the lane's fragment
@@ -484,12 +631,19 @@ def kernel_source(spec):
         row0 = start_m + w * 16 + lane // 4  # the lane's rows: row0 and row0 + 8
         kv_len = int64(kv_lengths[b])
         split = cuda.blockIdx.z  # split-KV: this block's keys split * split_len .. + split_len
-        ob = split * q.shape[0] + b  # the batch index of out (split s of batch b at s * B + b)
+        ob = split * kv_lengths.shape[0] + b  # out's batch index (split s of b at s * B + b)
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
             split, split_len, BLOCK_N)
         if CAREFUL and deferred[ob, h, tile] == 0:
             return  # the fast variant did this block
+        q_bad = HALVES and own_flagged(q_flags, b, h, start_m)  # scores_exact's
+        if HALVES and not CAREFUL and tiles_flagged(k_flags, k_flags, b, hk, 1, first,
+                                                    last - 1, tid, q_bad):
+            if tid == 0:  # a Q or K tile holds a NaN or an inf: the careful variant's block
+                deferred[ob, h, tile] = 1
+            return
+        qk, out_factor = forward_factors(factors, qk_scale)
         init_rows(m_i, l_i, acc, lo, hi, row0, n_q, kv_len, left, right, bottom_right)
         load_q(words, q, k, v, q_base, k_base, v_base, start_m, first, last, n_q, d, dv,
                q_frag, lane, w)
@@ -504,13 +658,15 @@ def kernel_source(spec):
                         last, d, dv)
                 warp.cp_async_commit()
             at = stage * STAGE
-            scores(words, at, q_frag, s, lane)
+            scores(words, at, q_frag, s, lane, w,  # S = Q K^T
+                   EXACT and (q_bad or k_flags[b, hk, start_n // FLAG_ROWS] != 0))
             interior = start_n >= lo_last and start_n + BLOCK_N <= hi_first  # all rows see it
-            scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0,
+            scale_and_mask(s, qk, mask, bias, mask_steps, bias_steps, b, h, row0,
                            start_n, lo, hi, interior, whole_rows, n_q, lane)
             # the same answer for the whole block (tile_nonfinite's barrier)
             nonfinite_v = CAREFUL and tile_nonfinite(words, at + K_TILE)
             online_softmax(s, m_i, l_i, acc, nonfinite_v)
+            scale_p(s)
             if nonfinite_v:
                 pv_seen_pairs(words, at + K_TILE, s, s, acc, lane)
             else:
@@ -522,7 +678,7 @@ def kernel_source(spec):
                 deferred[ob, h, tile] = redo
             if redo:
                 return
-        store_out(out, lse, m_i, l_i, acc, ob, h, row0, n_q, dv, lane)
+        store_out(out, lse, m_i, l_i, acc, ob, h, row0, n_q, dv, out_factor, lane)
 
     return check_parameters(flash_mma, MMA_ARG_NAMES)
 

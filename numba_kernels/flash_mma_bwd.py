@@ -61,17 +61,17 @@ from .convert import CONVERTERS, float32, int64, uint32, uint64
 from .flash_fwd import (F_LOG2E, FASTMATH, NEG_INF, NO_PART, ZERO, check_parameters,
                         grid_order, kernel_part, key_range_device, key_tiles,
                         make_masked_score)
-from .flash_mma import (BLOCK_N as KEY_TILE, EXPONENT_BITS, MMA_DTYPES, MMA_WIDTHS, PAD, WARPS,
-                        make_copy_kv, make_copy_tile, make_load_q_fragments, make_mma_pair, make_pv,
-                        make_pv_seen_pairs, make_scale_and_mask, make_scores, make_unpacked,
+from .flash_mma import (BLOCK_N as KEY_TILE, EXPONENT_BITS, FACTORS, FLAG_ROWS, MMA_DTYPES,
+                        MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, THREADS, WARPS, halves_ship,
+                        make_copy_kv, make_copy_tile, make_load_q_fragments, make_mma_pair,
+                        make_pv, make_pv_seen_pairs, make_q_scores, make_scale_and_mask,
+                        make_scores, make_unpacked, own_flagged, tiles_flagged,
                         word_nonfinite)
 from .plain_bwd import DKDV_ARGS, DQ_ARGS
 
 
 DEFERRED = ("deferred", "flags", "(B, H, blocks) uint8: 1 where a block's tiles hold a NaN or "
             "an inf: written by the fast variant, read by the nonfinite one")
-FACTORS = ("factors", "factors", "(8,) float32: float32 inputs' scales c_q, c_k, c_v, c_dout "
-           "and their inverses (halves.py); not read for 16-bit inputs")
 
 
 def _with_flags(args, before, *names):
@@ -84,13 +84,11 @@ def _with_flags(args, before, *names):
 
 MMA_DKDV_ARGS = _with_flags(DKDV_ARGS, "dk", "q", "dout", "k")
 MMA_DQ_ARGS = _with_flags(DQ_ARGS, "dq", "k", "q")
-FLAG_ROWS = halves.FLAG_ROWS  # rows of q, k or dout a pre-pass flag covers
 
 BLOCK = 16 * WARPS  # keys of a dkdv block, query rows of a dq block
-THREADS = 32 * WARPS
 
 
-MMA_BWD_DTYPES = MMA_DTYPES + ("float32",)  # float32: each operand as two float16 halves
+MMA_BWD_DTYPES = MMA_INPUT_DTYPES  # float32: each operand as two float16 halves
 
 
 @dataclass(frozen=True)
@@ -113,9 +111,10 @@ class MmaBwdSpec:
 
     @property
     def ships(self):
-        """Whether calls launch it: not float32 with a mask or bias above width 64, whose
-        registers spill (backward.mma_bwd_plan sends those calls to the tuned kernels)."""
-        return not (self.halves and self.has_mask and max(self.d, self.dv) > 64)
+        """Whether calls launch it (flash_mma.halves_ship: not float32 with a mask or bias
+        above width 64, whose registers spill; flash_mma.mma_plan sends those calls to the
+        tuned kernels)."""
+        return halves_ship(self.dtype, self.has_mask, self.d, self.dv)
 
     @property
     def halves(self):
@@ -258,13 +257,6 @@ def make_scores_t(KDIM, A_ROW, B_ROW, COLS, mma):
 
 
 @kernel_part
-def own_flagged(flags, b, h, start):
-    """Whether BLOCK = 2 FLAG_ROWS rows from `start` of head h are flagged in `flags`."""
-    f = start // FLAG_ROWS
-    return flags[b, h, f] != 0 or (f + 1 < flags.shape[2] and flags[b, h, f + 1] != 0)
-
-
-@kernel_part
 def row_stats(lse_in, delta, b, h, row, n_q, ok, delta_factor):
     """(lse in log2 units, delta * delta_factor) of query row `row` where ok and row < n_q,
     else zeros: what a thread copies of a query tile's statistics."""
@@ -393,22 +385,14 @@ def make_kv_products(dv_product, dk_product, dv_seen_pairs, dk_seen_pairs, DO_AT
 @kernel_part
 def deferred_block(deferred, b, h, tile, flags_a, flags_b, h_first, heads, first_row,
                    last_row, tid, own_bad):
-    """Whether this block (its tile of head h) leaves its work to the nonfinite variant: the
-    flags of rows first_row .. last_row (inclusive; none when last_row < first_row) of heads
-    h_first .. + heads in flags_a or flags_b are read by the block's threads side by side,
-    own_bad (its own tile's flags) counts too; thread 0 records the answer in
+    """Whether this block (its tile of head h) leaves its work to the nonfinite variant:
+    flash_mma.tiles_flagged of these rows' flags; thread 0 records the answer in
     deferred[b, h, tile] for the nonfinite variant. A barrier (every thread calls it)."""
-    bad = 1 if own_bad else 0
-    if last_row >= first_row:  # no run-time division (a 64-bit one is a subroutine)
-        first, last = first_row // FLAG_ROWS, last_row // FLAG_ROWS
-        for hh in range(h_first, h_first + heads):
-            for f in range(first + tid, last + 1, THREADS):
-                if flags_a[b, hh, f] != 0 or flags_b[b, hh, f] != 0:
-                    bad = 1
-    bad = cuda.syncthreads_or(bad)
+    bad = tiles_flagged(flags_a, flags_b, b, h_first, heads, first_row, last_row, tid,
+                        own_bad)
     if tid == 0:
         deferred[b, h, tile] = 1 if bad else 0
-    return bad != 0
+    return bad
 
 
 def make_q_probabilities(NB, DS_FACTOR):
@@ -483,26 +467,6 @@ def make_either(scores, exact):
             exact(words, a_at, b_at, c, lane, w)
         else:
             scores(words, a_at, b_at, c, lane, w)
-
-    return either
-
-
-def make_q_scores(scores, exact, Q_HI_AT):
-    """dq's S = Q K^T: scores (Q's fragments in registers), or where the call says `slow`
-    halves.scores_exact from Q's tiles at Q_HI_AT (hi) and after; exact None: scores."""
-    if exact is None:
-        @kernel_part
-        def plain(words, at, q_frag, s, lane, w, slow):
-            scores(words, at, q_frag, s, lane)
-
-        return plain
-
-    @kernel_part
-    def either(words, at, q_frag, s, lane, w, slow):
-        if slow:
-            exact(words, Q_HI_AT, at, s, lane, w)
-        else:
-            scores(words, at, q_frag, s, lane)
 
     return either
 

@@ -1,9 +1,10 @@
 """float32 operands on the float16 tensor cores: each value as two float16 halves.
 
 mma.sync multiplies float16 (or bfloat16) fragments only; TF32's mma runs at half the rate.
-The tensor-core backward for float32 inputs (flash_mma_bwd.py, MmaBwdSpec dtype "float32")
-splits every operand in two, the way the 3xTF32 scheme does, but into float16, whose 11-bit
-significand is TF32's and whose products issue twice as fast:
+The tensor-core forward and backward for float32 inputs (flash_mma.py, MmaSpec dtype
+"float32"; flash_mma_bwd.py, MmaBwdSpec dtype "float32") split every operand in two, the way
+the 3xTF32 scheme does, but into float16, whose 11-bit significand is TF32's and whose
+products issue twice as fast:
 
     c      = 2^(13 - e)    e = floor(log2 max|x|) over the finite values of the whole tensor
                            (at most 2^126, where they are all 0): every |x c| < 2^14
@@ -25,9 +26,23 @@ one number a
 tensor: it leaves every product's sum unchanged, and a per-tensor error is what verify's rule
 measures (the largest error of a tensor against its largest values).
 
+The scores carry 22 bits, a float32 forward's 24; the backward's P = exp2(S - lse) must then
+see the very S the forward's lse was made from, or P moves by the difference (7e-4 where
+scores are near 3000: twice what verify's rule allows for rounding a score once). So the
+forward's S = Q K^T, dq's (scores_halves: Q's fragments in registers, lo hi, hi lo, hi hi a
+16-column step) and dkdv's S^T = K Q^T (scores_t_halves: the middle products swapped,
+mma_halves_t) are the same products in the same order, and score_factor takes them to log2
+units in all three alike: the backward's scores are the forward's bit for bit (the forward
+and the backward split q and k alike: the pre-pass below). Calls take them by kernel="mma"
+in both flash_attention and flash_attention_backward; "auto" keeps float32 on the SIMT
+kernels: hi + lo carry 22 bits, float32 24, and where dV sums thousands of rows with unequal
+weights its error reaches 1.3-1.45 times verify's bound on the H200 (the SIMT kernels':
+0.17-0.22; with one key, where P = 1 exactly, 0.4): PERF.md, "float16 halves, forward too
+(h2)".
+
 The operands a product takes from registers are split where they are made, with constant
 scales that keep them below 2^14 whatever the data:
-    P   (dV = P^T dO)      P' = P 2^14                       (0 <= P <= 1)
+    P   (O = P V, dV = P^T dO)  P' = P 2^14                  (0 <= P <= 1)
     dS  (dK, dQ)           dS' = P (dP' - delta') 2^-(15 + log2 DV)
 where dP' = dO' V'^T and delta' = delta c_v c_do are the scaled dP and delta: |dP'|, |delta'|
 <= DV 2^28 (O is an average of V's rows). Emulated on the CPU under verify's rule (the five
@@ -35,7 +50,7 @@ products in float64 from the halves, float32 sums; `scripts/dev/halves_emulation
 dv 0.01-0.3 of its bound, dq and dk under 0.01, at N from 256 to 8192 and with inputs 1e-3,
 4 or 30 times their usual size.
 
-Before the kernels, one pre-pass per tensor (no wait for the host):
+Before the kernels, one pre-pass per tensor (no wait for the host; the forward's of q, k, v):
     absmax   grid (blocks, 4), blocks = partial's columns, at most ABS_BLOCKS: block i of row
              r writes the max |x| over its stride of tensor r (q, k, v, dout) to
              partial[r, i], finite values only
@@ -59,14 +74,14 @@ from . import warp
 from .compile_cache import jit
 from .convert import _bits_to_float, _float_to_bits, float32, int64
 from .flash_fwd import FASTMATH, ZERO, kernel_part
-from .flash_mma import BLOCK_N, make_copy_tile, make_mma_pair, make_pv_seen_pairs
+from .flash_mma import (BLOCK_M, BLOCK_N, FLAG_ROWS, make_copy_kv, make_copy_tile,
+                        make_mma_pair, make_pv_seen_pairs, make_q_scores)
 
 TOP = 14  # |x c| < 2^TOP
 P_FACTOR = float32(2.0**TOP)
 ABS_BLOCKS = 256  # blocks of the absmax pass a tensor (each thread a stride of the tensor)
 THREADS = 128
 SLOTS = ("q", "k", "v", "dout")  # rows of partial, entries of factors
-FLAG_ROWS = BLOCK_N  # rows a flag covers, here and in flash_mma_bwd's scan of 16-bit inputs
 
 
 def ds_factor(dv):
@@ -213,6 +228,16 @@ def mma_halves(c, nb, a, a_lo, b, b_lo):
     mma_pair(c, nb, a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
 
 
+@kernel_part
+def mma_halves_t(c, nb, a, a_lo, b, b_lo):
+    """mma_halves with the middle products swapped (hi lo, lo hi, hi hi): for C^T = B A^T,
+    whose elements then get the same products in the same order as mma_halves gives C (each
+    product of two float16 values is exact, so an element depends on the pairs alone)."""
+    mma_pair(c, nb, a[0], a[1], a[2], a[3], b_lo[0], b_lo[1], b_lo[2], b_lo[3])
+    mma_pair(c, nb, a_lo[0], a_lo[1], a_lo[2], a_lo[3], b[0], b[1], b[2], b[3])
+    mma_pair(c, nb, a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
+
+
 def make_scores_halves(D, ROW, A_LO_AT, B_LO, KEYS=BLOCK_N):
     """flash_mma's scores (S = A B^T, A's hi fragments in registers) with halves: A's lo
     fragments from the tile at word A_LO_AT (rows of ROW words, the warp's 16 rows at 16 w),
@@ -237,7 +262,9 @@ def make_scores_halves(D, ROW, A_LO_AT, B_LO, KEYS=BLOCK_N):
 
 def make_scores_t_halves(KDIM, A_ROW, B_ROW, COLS, A_LO, B_LO):
     """flash_mma_bwd's scores_t (c = A B^T, both from shared memory) with halves: each lo
-    tile A_LO (B_LO) words after its hi one."""
+    tile A_LO (B_LO) words after its hi one. Made for S^T = K Q^T (dkdv): each element is
+    the product scores_halves makes of it in S = Q K^T (the forward's and dq's), bit for bit
+    (mma_halves_t), so that P = exp2(S - lse) is the forward's P."""
     @kernel_part
     def scores_t(words, a_at, b_at, c, lane, w):
         m, r = lane // 8, lane % 8
@@ -249,8 +276,8 @@ def make_scores_t_halves(KDIM, A_ROW, B_ROW, COLS, A_LO, B_LO):
             a, a_lo = warp.ldmatrix_x4(words, a_word), warp.ldmatrix_x4(words, a_word + A_LO)
             for n2 in range(COLS // 16):
                 b_word = b_at + (n2 * 16 + r + 8 * (m // 2)) * B_ROW + kk * 8 + 4 * (m % 2)
-                mma_halves(c, 2 * n2, a, a_lo, warp.ldmatrix_x4(words, b_word),
-                           warp.ldmatrix_x4(words, b_word + B_LO))
+                mma_halves_t(c, 2 * n2, a, a_lo, warp.ldmatrix_x4(words, b_word),
+                             warp.ldmatrix_x4(words, b_word + B_LO))
 
     return scores_t
 
@@ -318,6 +345,33 @@ def make_scores_exact(KDIM, A_ROW, B_ROW, COLS, A_LO, B_LO):
     return scores_exact
 
 
+@kernel_part
+def score_factor(factors, qk_scale):
+    """qk_scale for S' = (Q c_q) (K c_k)^T: qk_scale / (c_q c_k), the same float32 operations
+    in the forward and in both backward kernels (their scores agree bit for bit)."""
+    return qk_scale * factors[4] * factors[5]
+
+
+def forward_parts(spec):
+    """(copy_kv, copy_q, scores, pv, pv_seen_pairs): flash_mma's parts for a float32 variant
+    (MmaSpec.layout): the K, V and Q tiles with their lo halves, S = Q K^T by
+    scores_halves (scores_exact where the careful variant's tile pair holds a NaN or an
+    inf: Q's hi tile is copied again for it), P V by pv_halves."""
+    lay = spec.layout
+    D, DV, K_ROW, V_ROW, STAGE = spec.d, spec.dv, lay["k_row"], lay["v_row"], lay["stage"]
+    Q_LO_AT, Q_HI_AT = lay["q_lo_at"], lay["q_hi_at"]
+    copy_kv = make_copy_kv(make_copy_tile_halves(BLOCK_N, D, K_ROW, lay["k_lo"]),
+                           make_copy_tile_halves(BLOCK_N, DV, V_ROW, lay["v_lo"]),
+                           lay["k_tile"])
+    copy_q = make_copy_tile_halves(BLOCK_M, D, K_ROW, Q_LO_AT - STAGE,  # Q lands in stage 1
+                                   Q_HI_AT - STAGE if spec.careful else None)
+    exact = make_scores_exact(D, K_ROW, K_ROW, BLOCK_N, Q_LO_AT - Q_HI_AT, lay["k_lo"])
+    scores = make_q_scores(make_scores_halves(D, K_ROW, Q_LO_AT, lay["k_lo"]),
+                           exact if spec.careful else None, Q_HI_AT)
+    return (copy_kv, copy_q, scores, make_pv_halves(DV, V_ROW, lay["v_lo"]),
+            make_pv_seen_pairs_halves(DV, V_ROW, lay["v_lo"]))
+
+
 def make_factors(HALVES, DS):
     @kernel_part
     def call_factors(factors, qk_scale, scale):
@@ -330,7 +384,7 @@ def make_factors(HALVES, DS):
         inv_q, inv_k, inv_v, inv_do = factors[4], factors[5], factors[6], factors[7]
         inv_ds = float32(1.0 / DS)  # a power of two: exact
         inv_delta = inv_v * inv_do  # dP' and delta' carry c_v c_do
-        return (qk_scale * inv_q * inv_k, factors[2] * factors[3],
+        return (score_factor(factors, qk_scale), factors[2] * factors[3],
                 scale * inv_delta * inv_ds * inv_q, inv_do * float32(1.0 / P_FACTOR),
                 scale * inv_delta * inv_ds * inv_k)
 

@@ -13,11 +13,11 @@ from .compile_cache import jit
 from .convert import CONVERTERS
 from .flash_bwd import BwdSpec, bwd_kernel_source, bwd_specs
 from .flash_fwd import ARGS, FASTMATH, KernelSpec, kernel_source
-from .flash_mma import MMA_ARGS, MMA_DTYPES, MmaSpec, mma_kernel, mma_specs
+from .flash_mma import MMA_ARGS, MmaSpec, mma_kernel, mma_specs
 from .flash_mma import kernel_source as mma_kernel_source
 from .flash_mma_bwd import (MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec, ScanSpec, mma_bwd_kernel,
                             mma_bwd_source, mma_bwd_specs, scan_kernel, scan_source)
-from .halves import HalvesSpec, absmax_source, halves_kernel, split_source
+from .halves import HalvesSpec, absmax_source, halves_kernel, halves_specs, split_source
 from .plain_bwd import (DELTA_ARGS, DKDV_ARGS, DQ_ARGS, PlainBwdSpec, plain_bwd_kernel,
                         plain_bwd_specs)
 from .plain_bwd import bwd_kernel_source as plain_bwd_source
@@ -136,9 +136,11 @@ def plain_bwd_signature(spec):
 
 
 def mma_signature(spec):
-    """Argument types of the tensor-core kernel (flash_mma.py), C-contiguous arrays."""
+    """Argument types of the tensor-core kernel (flash_mma.py), C-contiguous arrays: float32
+    inputs arrive as float16 halves (halves.py)."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
-    return arg_types(MMA_ARGS, elem, float32 if spec.partial else elem)
+    return arg_types(MMA_ARGS, float16 if spec.halves else elem,
+                     float32 if spec.partial else elem)
 
 
 def scan_signature(spec):
@@ -238,15 +240,15 @@ def variants(forward, backward=None):
     before a run: forward "simt" (flash_attention(kernel="simt")), "plain" or "mma", with the
     split-KV merges; backward None, "plain", "tuned" or "mma" (with the delta kernel; "mma"
     with the pre-pass that flags tiles holding a NaN or an inf)."""
-    fwd = {"simt": shipped_specs(), "plain": plain_specs(HEAD_DIMS), "mma": mma_specs()}
-    merges = [d for d in DTYPES if forward != "mma" or d in MMA_DTYPES]
+    fwd = {"simt": shipped_specs(), "plain": plain_specs(HEAD_DIMS),
+           "mma": mma_specs() + halves_specs()}
     bwd = [] if backward is None else [s for s in plain_bwd_specs(HEAD_DIMS)
                                        if s.part == "delta" or backward == "plain"]
     if backward == "tuned":
         bwd += bwd_specs()
     if backward == "mma":
         bwd += mma_bwd_specs()
-    return fwd[forward] + merges + bwd
+    return list(dict.fromkeys(fwd[forward] + list(DTYPES) + bwd))  # in order, once each
 
 
 def launch_grid(n_q, batch, heads_q, spec, n_splits=1):

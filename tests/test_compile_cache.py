@@ -134,13 +134,14 @@ def test_warmed_signatures_are_what_launches_pass():
 
 def test_the_warm_lists_are_variants_the_gate_checks():
     """What the numba adapters warm is a subset of what the PTX gate compiles, and each list
-    holds what its calls need: the delta kernel with either backward, the 16-bit merges with
-    the tensor-core forward; with the tensor-core backward the pre-pass that flags tiles
-    holding a NaN or an inf."""
+    holds what its calls need: the delta kernel with either backward, the merges and the
+    halves' pre-pass with the tensor-core forward; with the tensor-core backward the pre-pass
+    that flags tiles holding a NaN or an inf."""
     from numba_kernels.flash_bwd import BwdSpec
     from numba_kernels.flash_mma import MmaSpec
     from numba_kernels.flash_mma_bwd import MmaBwdSpec, ScanSpec
     from numba_kernels.plain_bwd import PlainBwdSpec
+    from numba_kernels.halves import halves_specs
     from numba_kernels.specs import gate_specs, variants
 
     gate = set(gate_specs())
@@ -157,4 +158,7 @@ def test_the_warm_lists_are_variants_the_gate_checks():
                 {"dkdv", "dq"} if backward == "mma" else set())
             assert (ScanSpec("float16") in wanted) == (backward == "mma")
             assert any(isinstance(s, MmaSpec) for s in wanted) == (forward == "mma")
-    assert "float32" not in variants("mma") and "bfloat16" in variants("mma")
+    # the tensor-core forward takes float32 too (kernel="mma"): its merge and the halves'
+    # pre-pass
+    assert "float32" in variants("mma") and "bfloat16" in variants("mma")
+    assert set(halves_specs()) <= set(variants("mma"))

@@ -71,23 +71,25 @@ def test_a_block_whose_rows_end_non_finite_is_done_again_by_the_careful_variant(
     assert result.verdict == "fail" and "non-finite" in result.detail, result.detail
 
 
-@pytest.mark.parametrize("dtype,D,phrase", [
-    ("float32", 64, "dtype float32"),
-    ("float16", 12, "head dims D=12"),
-    ("float16", 136, "head dims D=136"),
+@pytest.mark.parametrize("dtype,D,masked,phrase", [
+    ("float32", 128, True, "float32 with a mask or bias at head dims D=128"),
+    ("float16", 12, False, "head dims D=12"),
+    ("float16", 136, False, "head dims D=136"),
 ])
-def test_mma_kernel_names_what_it_does_not_take(dtype, D, phrase):
+def test_mma_kernel_names_what_it_does_not_take(dtype, D, masked, phrase):
     q = np.zeros((1, 1, 4, D), dtype)
+    mask = np.ones((4, 4), bool) if masked else None
     with pytest.raises(ValueError, match=phrase):
-        mma_attention(q, q, q)
+        mma_attention(q, q, q, mask=mask)
 
 
 def test_flash_attention_takes_the_kernel_by_name():
     q = np.zeros((1, 1, 4, 16), np.float32)
     with pytest.raises(ValueError, match="kernel must be one of .*, got 'tensor'"):
         flash_attention(q, q, q, kernel="tensor")
-    with pytest.raises(ValueError, match="kernel='mma': dtype float32"):
-        flash_attention(q, q, q, kernel="mma")
+    with pytest.raises(ValueError, match="kernel='mma': float32 with a mask or bias"):
+        w = np.zeros((1, 1, 4, 72), np.float32)
+        flash_attention(w, w, w, kernel="mma", bias=np.zeros((4, 4), np.float32))
     h = q.astype(np.float16)
     with pytest.raises(ValueError, match="a spec"):
         flash_attention(h, h, h, kernel="mma", spec=choose_spec(16, 16, "float16", False))
@@ -96,7 +98,8 @@ def test_flash_attention_takes_the_kernel_by_name():
 @pytest.mark.parametrize("dtype,D,options,want,phrase", [
     ("float16", 64, {}, "mma", "16-bit inputs"),
     ("bfloat16", 128, dict(causal="top_left"), "mma", "16-bit inputs"),
-    ("float32", 64, {}, "simt", "dtype float32"),
+    ("float32", 64, {}, "simt", "only when asked, kernel='mma'"),
+    ("float32", 72, dict(mask=np.ones((4, 4), bool)), "simt", "float32 with a mask"),
     ("float16", 40 + 1, {}, "simt", "head dims D=41"),
     ("float16", 256, {}, "simt", "up to 128"),
     ("float16", 64, dict(num_splits=3), "mma", "16-bit inputs"),

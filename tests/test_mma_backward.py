@@ -71,10 +71,11 @@ def test_auto_runs_the_tensor_core_kernels_for_16_bit_inputs(monkeypatch):
 
 
 def test_auto_runs_the_tuned_kernels_where_the_tensor_cores_do_not_apply(monkeypatch):
-    assert _kernel_run(monkeypatch, *_inputs("float32")) == ["tuned"]
+    assert _kernel_run(monkeypatch, *_inputs("float32")) == ["tuned"]  # as the forward's auto
     assert _kernel_run(monkeypatch, *_inputs("float32"), kernel="mma") == ["mma"]  # halves
     assert _kernel_run(monkeypatch, *_inputs(d=12)) == ["tuned"]
     mask = np.ones((10, 10), bool)
+    assert _kernel_run(monkeypatch, *_inputs("float32", d=72), mask=mask) == ["tuned"]
     assert _kernel_run(monkeypatch, *_inputs("float32", d=64), mask=mask,
                        kernel="mma") == ["mma"]
     with pytest.raises(ValueError, match="kernel='mma': head dims D=12, Dv=12"):

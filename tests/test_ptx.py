@@ -154,6 +154,7 @@ def test_the_gate_lists_every_variant_a_call_can_launch():
     from numba_kernels.flash_bwd import BwdSpec, bwd_width
     from numba_kernels.flash_mma import MmaSpec, mma_plan, mma_width
     from numba_kernels.flash_mma_bwd import MmaBwdSpec, ScanSpec
+    from numba_kernels.halves import halves_specs
     from numba_kernels.plain_bwd import PlainBwdSpec
     from numba_kernels.plain_fwd import PlainSpec
     from numba_kernels.specs import DTYPES, MAX_HEAD_DIM, choose_spec, gate_specs, pad
@@ -170,10 +171,10 @@ def test_the_gate_lists_every_variant_a_call_can_launch():
                               PlainBwdSpec("dkdv", w, dtype, m), PlainBwdSpec("dq", w, dtype, m)]
                     wanted += [BwdSpec(part, bwd_width(d, dv), bwd_width(d, dv), dtype, m)
                                for part in ("dkdv", "dq")]
-                    if mma_plan(SimpleNamespace(d=d, dv=dv, dtype=dtype)) is None:
+                    if mma_plan(SimpleNamespace(d=d, dv=dv, dtype=dtype), m) is None:
                         wanted += [MmaSpec(mma_width(d), mma_width(dv), dtype, m, p, c)
                                    for p in (False, True) for c in (False, True)]
-                        wanted += [ScanSpec(dtype)]
+                        wanted += halves_specs() if dtype == "float32" else [ScanSpec(dtype)]
                         wanted += [MmaBwdSpec(part, mma_width(d), mma_width(dv), dtype, m, n)
                                    for part in ("dkdv", "dq") for n in (False, True)]
                     missing |= set(wanted) - gate

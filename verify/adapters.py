@@ -7,8 +7,8 @@ what it claims; cases that need anything else are reported "not claimed", not fa
 
 Built-in adapters (imported lazily, by name): reference, numba, numba-plain,
 numba-tuned-backward (numba's forward, gradients from numba_kernels/flash_bwd.py),
-numba-mma-backward (numba's forward, float32, gradients from flash_mma_bwd.py as float16
-halves, kernel="mma"), numba-mma (the tensor-core kernels alone: flash_mma.py's forward, flash_mma_bwd.py's
+numba-mma-backward (float32 on the tensor cores as float16 halves, forward and gradients:
+flash_mma.py and flash_mma_bwd.py, kernel="mma", what kernel="auto" takes), numba-mma (the tensor-core kernels alone: flash_mma.py's forward, flash_mma_bwd.py's
 backward), torch-math,
 torch-efficient, torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn. Each states the
 conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
@@ -188,14 +188,16 @@ def _numba(plain=False, backward_kernel="plain"):
     """Our tuned SIMT kernel (flash_attention(kernel="simt"): the tensor-core kernel that
     kernel="auto" picks for 16-bit inputs is numba-mma), or (plain) the plain one of
     numba_kernels/plain_fwd.py; gradients from the backward kernels `backward_kernel`
-    (flash_attention_backward's kernel=)."""
+    (flash_attention_backward's kernel=). backward_kernel "mma" (float32 alone) takes the
+    tensor-core forward too: the backward's scores are then the forward's."""
     from numba_kernels import flash_attention, flash_attention_backward, plain_attention
     from numba_kernels.convert import SIMULATOR
 
     def attention(q, k, v, **options):
         if plain:
             return plain_attention(q, k, v, **options)
-        return flash_attention(q, k, v, kernel="simt", **options)
+        return flash_attention(q, k, v, kernel="mma" if backward_kernel == "mma" else "simt",
+                               **options)
 
     def fn(q, k, v, **options):
         return attention(q, k, v, **options)
@@ -206,8 +208,8 @@ def _numba(plain=False, backward_kernel="plain"):
                                         **options)
 
     def warm(backward=False, say=None):
-        _warm_kernels("plain" if plain else "simt", backward_kernel if backward else None,
-                      say)
+        forward = "plain" if plain else "mma" if backward_kernel == "mma" else "simt"
+        _warm_kernels(forward, backward_kernel if backward else None, say)
 
     on_gpu = not SIMULATOR
     # On a GPU the number of key splits (split_kv.py) depends on the grid, so one (batch,
@@ -215,8 +217,8 @@ def _numba(plain=False, backward_kernel="plain"):
     # The plain kernel never splits.
     name = "numba-plain" if plain else "numba" if backward_kernel == "plain" else \
         f"numba-{backward_kernel}-backward"
-    # the tensor-core backward's float32 (float16 halves): head dims as flash_mma's, no mask
-    # or bias (they take them only up to 64); the 16-bit kernels are numba-mma's
+    # float32 on the tensor cores (float16 halves): head dims as flash_mma's, no mask or bias
+    # (they take them only up to 64); the 16-bit kernels are numba-mma's
     limits = dict(dtypes=("float32",), max_head_dim=128, head_dim_multiple=8, mask=False,
                   bias=False) if backward_kernel == "mma" else {}
     # the simulator emulates each warp instruction of the tensor-core kernels with 32 threads
