@@ -1,21 +1,36 @@
 #!/usr/bin/env bash
-# On a GPU machine: the float32 backward on tensor cores (float16 halves, halves.py).
+# On a GPU machine: float32 on tensor cores (float16 halves, halves.py), forward and backward.
 # PART names the steps, in order (default "check bench"):
-#   check  verify's standard backward suite, float32, numba-mma-backward; beside it
-#          numba-mma --backward (the 16-bit kernels, whose source changed too);
+#   consistency  halves_check.py --consistency: scores in the thousands, the backward's
+#          scores against the forward's;
+#   check  verify's standard suite, forward and backward, float32, numba-mma-backward; beside
+#          it numba-mma --backward (the 16-bit kernels, whose source changed too);
+#   fwdbench  benchmarks/attention_speed.py float32: the halves (numba-mma), the SIMT kernel
+#          (numba) and torch's efficient and math backends, N = 2048, 4096, 8192;
 #   bench  benchmarks/backward_speed.py float32: the halves (numba-mma), the SIMT backward
 #          (numba-tuned) and torch's math and efficient backends, N = 2048, 4096, 8192;
 #   sanitize  compute-sanitizer memcheck and racecheck on one float32 call, causal, with a
 #          NaN in q (the nonfinite variants run);
-#   ab     the 16-bit backward against the copy in _ab_mma_old (ab_mma.py --backward);
+#   ab     the 16-bit forward and backward against the copy in _ab_mma_old (ab_mma.py);
 #   ncu    ncu --set full on the four kernels of one float32 call at (2, 16, 4096, 128):
 #          dkdv, its nonfinite variant (every block returns at once), dq, and its variant;
-#   conformance  pytest conformance --impl numba-mma-backward --backward -k gradient.
+#   conformance  pytest conformance --impl numba-mma-backward --backward.
 set -u
 . "$(dirname "$0")/steps.sh"
 for PART in ${PART:-check bench}; do
   start=$(date +%s)
-  if [[ "$PART" == check ]]; then
+  if [[ "$PART" == consistency ]]; then
+    timeout 200 python3 -W ignore scripts/dev/halves_check.py --consistency \
+      > "$OUT/consistency.log" 2>&1
+    echo "consistency rc=$? in $(( $(date +%s) - start )) s"; tail -8 "$OUT/consistency.log"
+  elif [[ "$PART" == fwdbench ]]; then
+    timeout ${BENCH_TIMEOUT:-300} python3 -W ignore benchmarks/attention_speed.py --out "$OUT" \
+      --n ${BENCH_N:-2048,4096,8192} --dtypes float32 \
+      --impls ${FWD_IMPLS:-numba-mma,numba,efficient,math} --budget-s ${BENCH_BUDGET:-200} \
+      > "$OUT/attention_speed.log" 2>&1
+    echo "attention_speed rc=$? in $(( $(date +%s) - start )) s"
+    grep -v Warn "$OUT/attention_speed.log" | tail -40
+  elif [[ "$PART" == check ]]; then
     verify_side_by_side "numba-mma-backward --backward --dtype float32" "numba-mma --backward"
   elif [[ "$PART" == bench ]]; then
     timeout ${BENCH_TIMEOUT:-300} python3 -W ignore benchmarks/backward_speed.py --out "$OUT" \
@@ -42,14 +57,16 @@ for PART in ${PART:-check bench}; do
     grep -E "^  [a-z_]|$KEYS|pipe" "$OUT/ncu_halves.txt" | grep -v "^    -" | head -60
   elif [[ "$PART" == conformance ]]; then
     timeout -s INT -k 20 ${GRAD_TIMEOUT:-240} python3 -m pytest -p conformance.plugin conformance \
-      --impl numba-mma-backward --backward -k gradient -p no:cacheprovider -W ignore -rfs -q \
+      --impl numba-mma-backward --backward -p no:cacheprovider -W ignore -rfs -q \
       > "$OUT/conformance-grad.log" 2>&1
-    echo "conformance --impl numba-mma-backward --backward -k gradient: rc=$?" \
+    echo "conformance --impl numba-mma-backward --backward: rc=$?" \
       "in $(( $(date +%s) - start )) s"
     tail -3 "$OUT/conformance-grad.log"
   elif [[ "$PART" == ab ]]; then
-    timeout ${AB_TIMEOUT:-200} python3 -W ignore scripts/dev/ab_mma.py --backward \
-      > "$OUT/ab_mma.log" 2>&1
-    echo "ab_mma rc=$? in $(( $(date +%s) - start )) s"; grep -v Warn "$OUT/ab_mma.log"
+    for flag in "" --backward; do
+      timeout ${AB_TIMEOUT:-200} python3 -W ignore scripts/dev/ab_mma.py $flag \
+        > "$OUT/ab_mma$flag.log" 2>&1
+      echo "ab_mma $flag rc=$? in $(( $(date +%s) - start )) s"; grep -v Warn "$OUT/ab_mma$flag.log"
+    done
   fi
 done

@@ -1,37 +1,97 @@
-"""One float32 backward through the tensor-core kernels (float16 halves, halves.py), on the
-GPU, judged by verify's rule: causal, GQA, a NaN in q (so the nonfinite variants run), for
-compute-sanitizer (scripts/dev/gpu_halves_round.sh PART=sanitize).
+"""float32 on the tensor cores (float16 halves, halves.py), on the GPU, judged by verify's
+rule.
 
-    python scripts/dev/halves_check.py
+    python scripts/dev/halves_check.py                 one call, forward and backward
+    python scripts/dev/halves_check.py --consistency   scores in the thousands
+    python scripts/dev/halves_check.py --long          dV summed over thousands of rows
+
+The first: causal, GQA, a NaN in q, an inf in k and a NaN in v in other heads (so the
+forward's careful variant takes scores_exact and pv_seen_pairs, and the backward's nonfinite
+variants run), for compute-sanitizer (scripts/dev/gpu_halves_round.sh PART=sanitize).
+--consistency: verify's cases where a backward whose scores differ from the forward's by a
+rounding fails (pytest conformance found Nq = Nk = 1, D = 16, q and k x30), over seeds:
+the worst error / bound of each, and whether dv = dout where one key is seen (P = 1).
 """
 import os
 import sys
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from numba_kernels import flash_attention, flash_attention_backward  # noqa: E402
-from verify.criterion import judge_backward  # noqa: E402
+from verify.adapters import load  # noqa: E402
+from verify.cases import Case  # noqa: E402
+from verify.criterion import judge, judge_backward  # noqa: E402
+from verify.runner import run_case  # noqa: E402
 
 
-def main():
+def one_call():
     rng = np.random.default_rng(0)
     shapes = ((2, 4, 200, 72), (2, 2, 232, 72), (2, 2, 232, 72), (2, 4, 200, 72))
     q, k, v, dout = (rng.standard_normal(s).astype(np.float32) for s in shapes)
     q[1, 3, 70, 5] = np.nan  # row 70 of head 3: its gradients, and the keys it sees
+    k[0, 1, 100, 7] = np.inf  # key 100 of key head 1 (query heads 2, 3 of batch 0)
+    v[1, 0, 150, 3] = np.nan  # key 150 of key head 0 in batch 1
     options = dict(causal="bottom_right")
     t = [torch.tensor(x, device="cuda") for x in (q, k, v, dout)]
-    out, lse = flash_attention(*t[:3], return_lse=True, **options)
+    out, lse = flash_attention(*t[:3], return_lse=True, kernel="mma", **options)
     grads = flash_attention_backward(*t[:3], out, lse, t[3], kernel="mma", **options)
     torch.cuda.synchronize()
+    fwd = judge(q, k, v, out.cpu().numpy(), lse.cpu().numpy(), dtype="float32", **options)
     host = [g.cpu().numpy() for g in grads]
     judged = judge_backward(q, k, v, dout, host, dtype="float32", **options)
-    for c, g in zip(judged, host):
+    for c, g in zip(fwd + judged, [out, lse] + host):
+        g = g.cpu().numpy() if hasattr(g, "cpu") else g
         print(f"{c.name}: {'pass' if c.passed else 'FAIL'} max error {c.max_abs_error:.3g} "
               f"({c.ratio:.3f} of the bound), non-finite in the wrong place "
               f"{c.nonfinite_mismatch}, nan {int(np.isnan(g).sum())}")
 
 
+def consistency():
+    impl = load("numba-mma-backward")
+    base = Case(name="h", B=1, Hq=1, Hk=1, Nq=1, Nk=1, D=16, Dv=16, dtype="float32",
+                values="large", backward=True)
+    for shape in ((1, 1, 16), (2, 2, 16), (64, 64, 64), (200, 200, 128), (1, 300, 128)):
+        case = replace(base, Nq=shape[0], Nk=shape[1], D=shape[2], Dv=shape[2])
+        results = [run_case(impl, case, seed=seed) for seed in range(8)]
+        bad = [r for r in results if r.verdict != "pass"]
+        print(f"Nq={shape[0]} Nk={shape[1]} D={shape[2]} large: "
+              f"{len(results) - len(bad)}/{len(results)} pass"
+              + (f"; first failure: {bad[0].detail}" if bad else ""), flush=True)
+    rng = np.random.default_rng(1)
+    q, k, v, dout = (torch.tensor(rng.standard_normal((4, 8, 1, 16)).astype(np.float32),
+                                  device="cuda") for _ in range(4))
+    q, k = q * 30, k * 30
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    dv = flash_attention_backward(q, k, v, out, lse, dout)[2]
+    print("one key, q and k x30: max |dv - dout| / max |dout| =",
+          float((dv - dout).abs().max() / dout.abs().max()))
+
+
+def long_sums():
+    """Gradients summed over many query rows (dV, dK of a key: Nq rows times the group), few
+    keys: the worst dv error / bound over 4 seeds, the halves beside the SIMT pair."""
+    impls = [load("numba-mma-backward"), load("numba-tuned-backward")]
+    base = Case(name="long", B=1, Hq=1, Hk=1, Nq=2047, Nk=1, D=16, Dv=16, dtype="float32",
+                backward=True)
+    for nq, nk, hq in ((256, 1, 1), (2047, 1, 1), (4096, 1, 1), (1023, 2, 3), (4096, 64, 1)):
+        case = replace(base, Nq=nq, Nk=nk, Hq=hq)
+        line = []
+        for impl in impls:
+            results = [run_case(impl, case, seed=seed) for seed in range(4)]
+            worst = max((c.ratio for r in results for c in r.comparisons if c.name == "dv"),
+                        default=float("nan"))
+            line.append(f"{impl.name} {sum(r.verdict == 'pass' for r in results)}/4 pass, "
+                        f"dv worst {worst:.2f} of the bound")
+        print(f"Nq={nq} Nk={nk} Hq={hq}: " + "; ".join(line), flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if "--consistency" in sys.argv:
+        consistency()
+    elif "--long" in sys.argv:
+        long_sums()
+    else:
+        one_call()

@@ -112,6 +112,51 @@ def backward_after(q, k, v, dout, scores):
             product(np.swapaxes(ds, -1, -2), q, c_ds, cq) * scale, dv)
 
 
+def forward_halves(q, k, v, pieces="halves"):
+    """A float32 forward whose scores come from halves (or three pieces): (scores, out, lse),
+    the scores being what a backward on the same fragments would recompute."""
+    d = q.shape[-1]
+    scale = np.float32(1 / np.sqrt(d))
+    cq, ck = power_scale(q), power_scale(k)
+    s = (product(q, np.swapaxes(k, -1, -2), cq, ck) if pieces == "halves"
+         else scores3(q, k, cq, ck)) * scale
+    m = s.max(-1, keepdims=True)
+    lse = (m + np.log(np.exp(s - m).sum(-1, keepdims=True, dtype=np.float32)))
+    lse = lse.astype(np.float32)
+    pv = product(np.exp(s - lse).astype(np.float32), v, np.float32(2.0**TOP), power_scale(v))
+    return s, pv.astype(np.float32), lse
+
+
+def forward_consistency(pieces):
+    """Forward and backward both on halves scores (the same ones): worst error / bound of
+    out, lse and of dq, dk, dv over 20 seeds."""
+    from verify.criterion import judge
+    print(f"(N, D, q and k times): worst error / bound over 20 seeds, {pieces} scores in both "
+          "passes: out lse | dq dk dv")
+    for n, d, times in ((1, 16, 30), (2, 16, 4), (2, 16, 30), (64, 64, 30), (256, 128, 1),
+                        (256, 128, 4), (256, 128, 30), (1024, 64, 4)):
+        worst_f, worst_b = np.zeros(2), np.zeros(3)
+        for seed in range(20):
+            rng = np.random.default_rng(seed)
+            q, k, v, dout = (rng.standard_normal((1, 1, n, d)) for _ in range(4))
+            q, k, v, dout = (x.astype(np.float32) for x in (q * times, k * times, v, dout))
+            s, out, lse = forward_halves(q, k, v, pieces)
+            worst_f = np.maximum(worst_f, [c.ratio for c in judge(q, k, v, out, lse[..., 0])])
+            cq, ck, cv, cdo = (power_scale(x) for x in (q, k, v, dout))
+            p = np.exp(s - lse)
+            dp = product(dout, np.swapaxes(v, -1, -2), cdo, cv)
+            ds = p * (dp - (dout * out).sum(axis=-1, keepdims=True, dtype=np.float32))
+            c_ds = np.float32(2.0 ** -(15 + int(np.log2(d)))) * cv * cdo
+            scale = np.float32(1 / np.sqrt(d))
+            grads = (product(ds, k, c_ds, ck) * scale,
+                     product(np.swapaxes(ds, -1, -2), q, c_ds, cq) * scale,
+                     product(np.swapaxes(p, -1, -2), dout, np.float32(2.0**TOP), cdo))
+            worst_b = np.maximum(worst_b, [c.ratio for c in judge_backward(
+                q, k, v, dout, grads, dtype="float32")])
+        print(f"({n}, {d}, x{times}) " + " ".join(f"{r:.3f}" for r in worst_f) + " | "
+              + " ".join(f"{r:.3f}" for r in worst_b), flush=True)
+
+
 def consistency():
     print("(N, D, q and k times): worst error / bound over 20 seeds, scores from halves, "
           "three pieces, the forward's own")
@@ -132,6 +177,8 @@ def consistency():
 def main():
     if "--consistency" in sys.argv:
         return consistency()
+    if "--forward" in sys.argv:
+        return forward_consistency("three" if "--three" in sys.argv else "halves")
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", default="256,1024,4096")
     ap.add_argument("--values", default="normal,tiny,scaled,large")
