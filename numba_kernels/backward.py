@@ -5,14 +5,14 @@ import numpy as np
 
 from reference.contract import _shape4
 from reference.dtypes import dtype_name
-from .api import _band, _begin, _halves, _side_inputs
+from .api import _band, _begin, _halves, _plan, _side_inputs
 from .flash_fwd import kernel_args
 from .launch import launch
 from .plain_bwd import (DELTA_ARGS, DELTA_THREADS, DKDV_ARGS, DQ_ARGS, plain_bwd_kernel)
 from .plain_fwd import plain_tiles
 from .flash_bwd import BwdSpec, bwd_width
 from .flash_mma import mma_plan, mma_width
-from .flash_mma_bwd import (BLOCK as MMA_BLOCK, FLAG_ROWS, MMA_BWD_DTYPES, MMA_DKDV_ARGS,
+from .flash_mma_bwd import (BLOCK as MMA_BLOCK, FLAG_ROWS, MMA_DKDV_ARGS,
                             MMA_DQ_ARGS, SCAN_THREADS, THREADS as MMA_THREADS, MmaBwdSpec,
                             ScanSpec, mma_bwd_kernel, scan_kernel)
 from .specs import pad, tuned_bwd_kernel
@@ -47,18 +47,18 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
         raise ValueError(f"kernel must be one of {sorted(KERNELS) + ['auto']}, got {kernel!r}")
     pb, io, _, _ = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
     _check_saved(pb, out, lse, dout)
-    why_not = mma_plan(pb, mask is not None or bias is not None, MMA_BWD_DTYPES)
+    has_mask = mask is not None or bias is not None
+    why_not = mma_plan(pb, has_mask)
     if why_not and kernel == "mma":
         raise ValueError(f"kernel='mma': {why_not}")
-    if kernel == "auto":  # as the forward's "auto": float32 to the SIMT kernels too
-        kernel = "mma" if why_not is None and pb.dtype != "float32" else "tuned"
+    if kernel == "auto":  # the forward's "auto" choice, so that the two passes agree
+        kernel = "mma" if _plan(pb, "auto", None, has_mask)[0] == "mma" else "tuned"
     dq = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.d), pb.dtype)
     dk = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.d), pb.dtype)
     dv = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.dv), pb.dtype)
     if pb.batch * pb.heads_k * pb.n_k == 0 and pb.batch * pb.heads_q * pb.n_q == 0:
         return io.result(dq), io.result(dk), io.result(dv)
     width = pad(max(pb.d, pb.dv))
-    has_mask = mask is not None or bias is not None
     mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
     named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, bias=bias_dev,
                  kv_lengths=lengths, dout=io.dev(dout), lse_in=io.dev(lse),
