@@ -14,7 +14,7 @@ from .flash_bwd import BwdSpec, bwd_width
 from .flash_mma import mma_plan, mma_width
 from .flash_mma_bwd import (BLOCK as MMA_BLOCK, FLAG_ROWS, MMA_DKDV_ARGS,
                             MMA_DQ_ARGS, SCAN_THREADS, THREADS as MMA_THREADS, MmaBwdSpec,
-                            ScanSpec, mma_bwd_kernel, scan_kernel)
+                            ScanSpec, kv_parts, mma_bwd_kernel, scan_kernel)
 from .specs import pad, tuned_bwd_kernel
 
 
@@ -116,8 +116,9 @@ def _mma(pb, io, named, grads, width, has_mask):
     else:
         flags = {f"{name}_flags": _flags(io, pb, named[name]) for name in ("q", "dout", "k")}
         flags["factors"] = io.flat(named["delta"])  # not read by the 16-bit variants
-    for part, n, heads, args, out in (("dkdv", pb.n_k, pb.heads_k, MMA_DKDV_ARGS, ("dk", "dv")),
-                                      ("dq", pb.n_q, pb.heads_q, MMA_DQ_ARGS, ("dq",))):
+    kv = tuple((part, pb.n_k, pb.heads_k, MMA_DKDV_ARGS, ("dk", "dv"))
+               for part in kv_parts(pb.dtype, mma_width(pb.d), mma_width(pb.dv), has_mask))
+    for part, n, heads, args, out in kv + (("dq", pb.n_q, pb.heads_q, MMA_DQ_ARGS, ("dq",)),):
         blocks = -(-n // MMA_BLOCK)
         if pb.batch * heads * n == 0:
             continue

@@ -22,6 +22,10 @@ plain_bwd's delta kernel (delta = rowsum(dO * O)); their arguments are the tuned
           then dK * scale and dV are stored: the sums over a group's query heads are made in
           one block, in a fixed order (deterministic). Under a causal band the first key
           tiles (seen by the most rows) start first across every head (launch_order).
+          float32 (halves): each 16-row step of dV's products reaches dV by float32 adds
+          (halves.mma_halves_summed: mma.sync cuts its products toward zero); above head dims
+          of 64, or with a mask, dkdv has no registers for that, and is two kernels
+          (kv_parts): "dk" (S^T, dP^T, dK) and "dv" (S^T, dV; no V).
     dq    grid (query tiles of BLOCK = 64 rows, the last first, B * Hq; in the forward's
           launch_order), 4 warps of 16 rows as
           in the forward; Q's and dO's A fragments in registers; K and V tiles of 32 keys
@@ -89,13 +93,25 @@ BLOCK = 16 * WARPS  # keys of a dkdv block, query rows of a dq block
 
 
 MMA_BWD_DTYPES = MMA_INPUT_DTYPES  # float32: each operand as two float16 halves
+PARTS = ("dkdv", "dk", "dv", "dq")
+KV_SPLIT_WIDTH = 64  # float32 above this head dim: dK and dV in two kernels (kv_parts)
+
+
+def kv_parts(dtype, d, dv, has_mask):
+    """The kernels that make dK and dV: "dkdv", or for float32 above head dims of
+    KV_SPLIT_WIDTH or with a mask or bias, "dk" and "dv". dV's step sums
+    (halves.mma_halves_summed) take registers that dkdv does not have there (ptxas spills 8
+    bytes at width 128, 56 with a mask at 64); apart, each kernel has room, at the cost of
+    computing S^T twice (5 products a step instead of 4)."""
+    split = dtype == "float32" and (max(d, dv) > KV_SPLIT_WIDTH or has_mask)
+    return ("dk", "dv") if split else ("dkdv",)
 
 
 @dataclass(frozen=True)
 class MmaBwdSpec:
     """One compiled variant of a tensor-core backward kernel."""
 
-    part: str  # "dkdv" or "dq"
+    part: str  # "dkdv" (or "dk" and "dv": kv_parts) or "dq"
     d: int  # head dims, padded to MMA_WIDTHS
     dv: int
     dtype: str  # the inputs' dtype; float32 is multiplied as float16 halves (halves.py)
@@ -103,18 +119,20 @@ class MmaBwdSpec:
     nonfinite: bool = False  # the variant for blocks whose tiles hold a NaN or an inf
 
     def check(self):
-        if self.part not in ("dkdv", "dq") or self.d not in MMA_WIDTHS \
+        if self.part not in PARTS or self.d not in MMA_WIDTHS \
                 or self.dv not in MMA_WIDTHS or self.dtype not in MMA_BWD_DTYPES:
-            raise ValueError(f"MmaBwdSpec: part dkdv or dq, d and dv in {MMA_WIDTHS}, dtype in "
-                             f"{MMA_BWD_DTYPES}; got {self}")
+            raise ValueError(f"MmaBwdSpec: part in {PARTS}, d and dv in {MMA_WIDTHS}, dtype "
+                             f"in {MMA_BWD_DTYPES}; got {self}")
         return self
 
     @property
     def ships(self):
         """Whether calls launch it (flash_mma.halves_ship: not float32 with a mask or bias
         above width 64, whose registers spill; flash_mma.mma_plan sends those calls to the
-        tuned kernels)."""
-        return halves_ship(self.dtype, self.has_mask, self.d, self.dv)
+        tuned kernels; and the dK, dV kernels of kv_parts)."""
+        return halves_ship(self.dtype, self.has_mask, self.d, self.dv) and (
+            self.part == "dq" or self.part in kv_parts(self.dtype, self.d, self.dv,
+                                                       self.has_mask))
 
     @property
     def halves(self):
@@ -139,15 +157,16 @@ class MmaBwdSpec:
         at `*_lo_at`): row words of Q/K and V/dO tiles, offsets, and the total `words`."""
         k_row, v_row = (self.d + PAD) // 2, (self.dv + PAD) // 2
         n = 2 if self.halves else 1
-        if self.part == "dkdv":
+        if self.part != "dq":  # dkdv, dk, dv
             qb = self.qb
+            v = self.part != "dv"  # the dv kernel reads no V
             v_lo_at = n * BLOCK * k_row  # V's lo half stays (its hi half goes to registers)
-            stages_at = v_lo_at + (BLOCK * v_row if self.halves else 0)
+            stages_at = v_lo_at + (BLOCK * v_row if self.halves and v else 0)
             stage = n * qb * (k_row + v_row)
             return dict(k_row=k_row, v_row=v_row, k_lo=BLOCK * k_row, v_lo_at=v_lo_at,
                         stages_at=stages_at, q_lo=qb * k_row, do_at=n * qb * k_row,
                         do_lo=qb * v_row, stage=stage,
-                        words=stages_at + max(2 * stage, BLOCK * v_row))
+                        words=stages_at + max(2 * stage, BLOCK * v_row if v else 0))
         stage = n * KEY_TILE * (k_row + v_row)
         q_lo_at = max(2 * stage, BLOCK * (k_row + v_row))  # after the stages Q and dO land in
         q_hi_at = q_lo_at + (BLOCK * (k_row + v_row) if self.halves else 0)
@@ -160,7 +179,7 @@ class MmaBwdSpec:
 
 def mma_bwd_specs():
     """Every variant a call can launch, the pre-passes too: the PTX gate compiles each."""
-    return [s for s in (MmaBwdSpec(part, d, dv, dtype, m, n).check() for part in ("dkdv", "dq")
+    return [s for s in (MmaBwdSpec(part, d, dv, dtype, m, n).check() for part in PARTS
                         for d in MMA_WIDTHS for dv in MMA_WIDTHS for dtype in MMA_BWD_DTYPES
                         for m in (False, True) for n in (False, True)) if s.ships] \
         + [ScanSpec(t) for t in MMA_DTYPES] + halves.halves_specs()
@@ -300,19 +319,22 @@ def make_kv_probabilities(NB, masked_score, HAS_MASK, P_FACTOR, DS_FACTOR):
     return probabilities
 
 
-def make_load_kv_block(copy_k, copy_v, load_v_fragments, STAGES_AT):
+def make_load_kv_block(copy_k, copy_v, load_v_fragments, STAGES_AT, WITH_V):
     @kernel_part
     def load_kv_block(words, k, v, v_frag, b, heads_k, hk, n_k, start_n, kv_len, d, d_v, lane,
                       w):
-        """The block's keys: K to shared memory at word 0 (zeros past kv_len), V through the
-        stages into this warp's A fragments. Two barriers."""
+        """The block's keys: K to shared memory at word 0 (zeros past kv_len), V (WITH_V: the
+        kernels that make dK) through the stages into this warp's A fragments. Two
+        barriers."""
         kv_at = (int64(b) * heads_k + hk) * n_k
         copy_k(words, 0, k, kv_at * d, start_n, kv_len, d)
-        copy_v(words, STAGES_AT, v, kv_at * d_v, start_n, kv_len, d_v)
+        if WITH_V:
+            copy_v(words, STAGES_AT, v, kv_at * d_v, start_n, kv_len, d_v)
         warp.cp_async_commit()
         warp.cp_async_wait(0)
         cuda.syncthreads()  # Barrier: K and V have landed.
-        load_v_fragments(words, STAGES_AT, v_frag, lane, w)
+        if WITH_V:
+            load_v_fragments(words, STAGES_AT, v_frag, lane, w)
         cuda.syncthreads()  # Barrier: every warp has V's fragments: the stages are free.
 
     return load_kv_block
@@ -365,19 +387,24 @@ def make_interior(QB):
     return interior
 
 
-def make_kv_products(dv_product, dk_product, dv_seen_pairs, dk_seen_pairs, DO_AT, NONFINITE):
+def make_kv_products(dv_product, dk_product, dv_seen_pairs, dk_seen_pairs, DO_AT, NONFINITE,
+                     DK, DV):
     @kernel_part
     def products(words, at, s, dp, dk_acc, dv_acc, q_flags, dout_flags, b, h, start_q, lane):
-        """dV += P^T dO, dK += dS^T Q for the stage at word `at`: by mma.sync, or (the
-        nonfinite variant, a tile whose Q or dO holds a NaN or an inf) only the pairs taking
-        part, in float32."""
+        """dV += P^T dO (DV), dK += dS^T Q (DK) for the stage at word `at`: by mma.sync, or
+        (the nonfinite variant, a tile whose Q or dO holds a NaN or an inf) only the pairs
+        taking part, in float32."""
         flag = start_q // FLAG_ROWS  # the same for the block: one path
         if not NONFINITE or (q_flags[b, h, flag] == 0 and dout_flags[b, h, flag] == 0):
-            dv_product(words, at + DO_AT, s, dv_acc, lane)
-            dk_product(words, at, dp, dk_acc, lane)
+            if DV:
+                dv_product(words, at + DO_AT, s, dv_acc, lane)
+            if DK:
+                dk_product(words, at, dp, dk_acc, lane)
         else:
-            dv_seen_pairs(words, at + DO_AT, s, s, dv_acc, lane)
-            dk_seen_pairs(words, at, s, dp, dk_acc, lane)
+            if DV:
+                dv_seen_pairs(words, at + DO_AT, s, s, dv_acc, lane)
+            if DK:
+                dk_seen_pairs(words, at, s, dp, dk_acc, lane)
 
     return products
 
@@ -481,8 +508,10 @@ def _scales(spec):
 
 
 def dkdv_kernel_source(spec):
-    """The dK, dV kernel of variant `spec` (part "dkdv"): one block per 64 keys."""
+    """The dK, dV kernel of variant `spec` (part "dkdv"; "dk" or "dv": one of the two, kv_parts):
+    one block per 64 keys."""
     spec.check()
+    DK, DV_ = spec.part != "dv", spec.part != "dk"  # which gradients it makes
     D, DV, QB, NB = spec.d, spec.dv, spec.qb, spec.qb // 8
     lay = spec.layout
     K_ROW, V_ROW, STAGES_AT, STAGE, DO_AT = (lay[n] for n in (
@@ -507,10 +536,11 @@ def dkdv_kernel_source(spec):
             if EXACT else None)
         scores_dp = halves.make_scores_halves(DV, V_ROW, lay["v_lo_at"], lay["do_lo"], QB)
         products = make_kv_products(
-            halves.make_pv_halves(DV, V_ROW, lay["do_lo"], QB),
+            halves.make_pv_halves(DV, V_ROW, lay["do_lo"], QB, True),
             halves.make_pv_halves(D, K_ROW, lay["q_lo"], QB),
             halves.make_pv_seen_pairs_halves(DV, V_ROW, lay["do_lo"], QB),
-            halves.make_pv_seen_pairs_halves(D, K_ROW, lay["q_lo"], QB), DO_AT, NONFINITE)
+            halves.make_pv_seen_pairs_halves(D, K_ROW, lay["q_lo"], QB), DO_AT, NONFINITE,
+            DK, DV_)
     else:
         scores_s = make_either(make_scores_t(D, K_ROW, K_ROW, QB, mma), None)
         scores_dp = make_scores(DV, V_ROW, mma, QB)  # dP^T = V dO^T, V's fragments in registers
@@ -518,9 +548,9 @@ def dkdv_kernel_source(spec):
             make_pv(DV, V_ROW, mma, pack, QB), make_pv(D, K_ROW, mma, pack, QB),
             make_pv_seen_pairs(DV, V_ROW, make_unpacked(unpack), QB),
             make_pv_seen_pairs(D, K_ROW, make_unpacked(unpack), QB),
-            DO_AT, NONFINITE)
+            DO_AT, NONFINITE, DK, DV_)
     copy_query_tile, interior = make_copy_query_tile(copy_q, copy_do, DO_AT), make_interior(QB)
-    load_kv_block = make_load_kv_block(copy_k, copy_v, load_v_fragments, STAGES_AT)
+    load_kv_block = make_load_kv_block(copy_k, copy_v, load_v_fragments, STAGES_AT, DK)
     store = CONVERTERS[spec.dtype][1]
     store_dk, store_dv = make_store_rows(D, store), make_store_rows(DV, store)
 
@@ -549,6 +579,8 @@ def dkdv_kernel_source(spec):
         kv_len = int64(kv_lengths[b])
         zero(dk_acc)
         zero(dv_acc)
+        if not DK:
+            zero(dp)  # dS^T: never made, never read (no garbage for the simulator's numpy)
         qk, delta_factor, dk_factor, dv_factor, _ = call_factors(factors, qk_scale, scale)
         last_key = min(start_n + BLOCK, kv_len)
         begin, end = rows_seeing(start_n, last_key, n_q, kv_len, left, right, bottom_right)
@@ -591,7 +623,8 @@ def dkdv_kernel_source(spec):
                 at = STAGES_AT + stage * STAGE                                 # after this tile
                 scores_s(words, 0, at, s, lane, w,  # S^T = K Q^T
                          keys_bad or q_flags[b, h, start_q // FLAG_ROWS] != 0)
-                scores_dp(words, at + DO_AT, v_frag, dp, lane)
+                if DK:
+                    scores_dp(words, at + DO_AT, v_frag, dp, lane)
                 probabilities(s, dp, stats, stage, qk, mask, bias, mask_steps,
                               bias_steps, b, h, key0, start_q, n_q, kv_len, left, right,
                               bottom_right, interior(start_q, start_n, n_q, kv_len, left,
@@ -601,8 +634,10 @@ def dkdv_kernel_source(spec):
                 if tid < QB:  # the next tile's statistics, their loads' latency hidden above
                     stats[1 - stage, 0, tid], stats[1 - stage, 1, tid] = lse_next, delta_next
                 stage = 1 - stage
-        store_dk(dk, dk_acc, b, hk, key0, n_k, d, dk_factor, lane)
-        store_dv(dv, dv_acc, b, hk, key0, n_k, d_v, dv_factor, lane)
+        if DK:
+            store_dk(dk, dk_acc, b, hk, key0, n_k, d, dk_factor, lane)
+        if DV_:
+            store_dv(dv, dv_acc, b, hk, key0, n_k, d_v, dv_factor, lane)
 
     return check_parameters(mma_dkdv, tuple(a[0] for a in MMA_DKDV_ARGS))
 
@@ -726,7 +761,7 @@ def dq_kernel_source(spec):
 
 
 def mma_bwd_source(spec):
-    return (dkdv_kernel_source if spec.part == "dkdv" else dq_kernel_source)(spec)
+    return (dq_kernel_source if spec.part == "dq" else dkdv_kernel_source)(spec)
 
 
 @lru_cache(maxsize=32)

@@ -33,12 +33,23 @@ forward's S = Q K^T, dq's (scores_halves: Q's fragments in registers, lo hi, hi 
 16-column step) and dkdv's S^T = K Q^T (scores_t_halves: the middle products swapped,
 mma_halves_t) are the same products in the same order, and score_factor takes them to log2
 units in all three alike: the backward's scores are the forward's bit for bit (the forward
-and the backward split q and k alike: the pre-pass below). Calls take them by kernel="mma"
-in both flash_attention and flash_attention_backward; "auto" keeps float32 on the SIMT
-kernels: hi + lo carry 22 bits, float32 24, and where dV sums thousands of rows with unequal
-weights its error reaches 1.3-1.45 times verify's bound on the H200 (the SIMT kernels':
-0.17-0.22; with one key, where P = 1 exactly, 0.4): PERF.md, "float16 halves, forward too
-(h2)".
+and the backward split q and k alike: the pre-pass below).
+
+mma.sync does not round its sum to nearest: on the H200 each product is cut to the ulp of
+the largest addend (the accumulator, in a long sum) before they are added, its lower bits
+dropped (scripts/dev/mma_rounding_probe.py: 1 + 0.75 ulp comes back as 1, and so does 1 plus
+16 products of 0.1 ulp). Each step of a long sum thus loses up to an ulp of the sum a
+product, always toward zero. dV sums P^T dO over every query row, three mma.sync a 16 rows:
+over 4096 rows its error reached 1.3 times verify's bound on the H200, the SIMT kernels'
+0.17 (a CPU model that rounds each step's sum toward zero, `halves_emulation.py
+--toward-zero`: 1.9). So dkdv sums each 16-row step's three products from 0 and adds them to
+dV's accumulator by a float32 add, rounding to nearest (make_pv_halves SUMMED): on the H200
+dv's error is then 0.02-0.10 of the bound at 256-4096 rows (halves_check.py --long; the SIMT
+kernels' 0.03-0.34). dK and dQ stay on one accumulator: their bounds are wider (dS's own
+rounding), and they measure under 0.07 of them either way. At head dims above 64, or with a
+mask, the step sums do not fit dkdv's registers: dK and dV are then two kernels
+(flash_mma_bwd.kv_parts). The forward's O = P V is the same sum over keys, but its bound
+takes the scores' rounding (verify/criterion.py), which is far larger.
 
 The operands a product takes from registers are split where they are made, with constant
 scales that keep them below 2^14 whatever the data:
@@ -282,10 +293,31 @@ def make_scores_t_halves(KDIM, A_ROW, B_ROW, COLS, A_LO, B_LO):
     return scores_t
 
 
-def make_pv_halves(DV, V_ROW, B_LO, KEYS=BLOCK_N):
+@kernel_part
+def mma_halves_summed(c, nb, a, a_lo, b, b_lo):
+    """mma_halves's products (lo hi, hi lo, hi hi) summed from 0, one n-block at a time, and
+    added to c by float32 adds (rounding to nearest; mma.sync would cut each product to c's
+    ulp: the module's docstring)."""
+    for j in range(2):
+        t0, t1, t2, t3 = warp.mma_f16(a_lo[0], a_lo[1], a_lo[2], a_lo[3], b[2 * j],
+                                      b[2 * j + 1], ZERO, ZERO, ZERO, ZERO)
+        t0, t1, t2, t3 = warp.mma_f16(a[0], a[1], a[2], a[3], b_lo[2 * j], b_lo[2 * j + 1],
+                                      t0, t1, t2, t3)
+        t0, t1, t2, t3 = warp.mma_f16(a[0], a[1], a[2], a[3], b[2 * j], b[2 * j + 1],
+                                      t0, t1, t2, t3)
+        c[nb + j, 0] += t0
+        c[nb + j, 1] += t1
+        c[nb + j, 2] += t2
+        c[nb + j, 3] += t3
+
+
+def make_pv_halves(DV, V_ROW, B_LO, KEYS=BLOCK_N, SUMMED=False):
     """flash_mma's pv (acc += X V, X's accumulator fragments packed in registers, V by
     ldmatrix.trans) with halves: X packed as hi and lo (pack_halves), V's lo tile B_LO words
-    after its hi one."""
+    after its hi one. SUMMED: each 16-row step's products reach acc by float32 adds
+    (mma_halves_summed; dV, the module's docstring)."""
+    product = mma_halves_summed if SUMMED else mma_halves
+
     @kernel_part
     def pv(words, at, s, acc, lane):
         m, r = lane // 8, lane % 8
@@ -296,9 +328,9 @@ def make_pv_halves(DV, V_ROW, B_LO, KEYS=BLOCK_N):
             a3, l3 = pack_halves(s[2 * n2 + 1, 2], s[2 * n2 + 1, 3])
             for v2 in range(DV // 16):
                 v_word = at + (n2 * 16 + r + 8 * (m % 2)) * V_ROW + v2 * 8 + 4 * (m // 2)
-                mma_halves(acc, 2 * v2, (a0, a1, a2, a3), (l0, l1, l2, l3),
-                           warp.ldmatrix_x4_trans(words, v_word),
-                           warp.ldmatrix_x4_trans(words, v_word + B_LO))
+                product(acc, 2 * v2, (a0, a1, a2, a3), (l0, l1, l2, l3),
+                        warp.ldmatrix_x4_trans(words, v_word),
+                        warp.ldmatrix_x4_trans(words, v_word + B_LO))
 
     return pv
 

@@ -12,6 +12,7 @@ from numba import cuda
 import verify
 from numba_kernels import backward, flash_attention, flash_attention_backward
 from numba_kernels.convert import SIMULATOR
+from numba_kernels.flash_mma_bwd import MmaBwdSpec, mma_bwd_specs
 from verify.cases import Case
 
 CASES = [
@@ -83,6 +84,32 @@ def test_auto_runs_the_tuned_kernels_where_the_tensor_cores_do_not_apply(monkeyp
     with pytest.raises(ValueError, match="kernel='mma': float32 with a mask or bias at head "
                                          "dims D=72"):
         flash_attention_backward(*_inputs("float32", d=72), mask=mask, kernel="mma")
+
+
+def _parts_launched(monkeypatch, *args, **options):
+    """The tensor-core backward kernels (part, nonfinite) a call launches (none run)."""
+    launched = []
+    monkeypatch.setattr(backward, "launch", lambda kernel, spec, *a, **k: launched.append(
+        (spec.part, spec.nonfinite)) if isinstance(spec, MmaBwdSpec) else None)
+    flash_attention_backward(*args, kernel="mma", **options)
+    return launched
+
+
+def test_float32_makes_dk_and_dv_apart_where_dkdv_has_no_registers_for_dvs_sums(monkeypatch):
+    """flash_mma_bwd.kv_parts: dV's step sums (halves.mma_halves_summed) spill in dkdv above
+    head dims of 64 or with a mask (float32 only); the gate compiles what ships."""
+    both = [(p, n) for p in ("dk", "dv", "dq") for n in (False, True)]
+    assert _parts_launched(monkeypatch, *_inputs("float32", d=72)) == both
+    mask = np.ones((10, 10), bool)
+    assert _parts_launched(monkeypatch, *_inputs("float32", d=64), mask=mask) == both
+    assert _parts_launched(monkeypatch, *_inputs("float32", d=64)) == \
+        [(p, n) for p in ("dkdv", "dq") for n in (False, True)]
+    assert _parts_launched(monkeypatch, *_inputs("float16", d=72), mask=mask) == \
+        [(p, n) for p in ("dkdv", "dq") for n in (False, True)]
+    shipped = {(s.part, s.d, s.dv, s.has_mask) for s in mma_bwd_specs()
+               if getattr(s, "dtype", None) == "float32"}
+    assert {("dk", 128, 128, False), ("dv", 64, 64, True), ("dkdv", 64, 64, False)} <= shipped
+    assert not {("dkdv", 128, 128, False), ("dkdv", 64, 64, True)} & shipped
 
 
 @pytest.mark.long

@@ -2,12 +2,13 @@
 of the package, side by side.
 
     cp -r numba_kernels _ab_mma_old      # at the older commit (git worktree or checkout)
-    python scripts/dev/ab_mma.py [--backward]
+    python scripts/dev/ab_mma.py [--backward [--float32]]
 
 Both through their own mma_attention or flash_attention_backward(kernel="mma") (each version's
 whole call: checks and every launch), on the same inputs. Medians of CUDA events,
 alternating old and new three times; the largest difference between the two outputs as a
-sanity check; last, each version's causal speed-up (full time over causal time). AB_ONLY="N:D,..."
+sanity check; last, each version's causal speed-up (full time over causal time). --float32:
+the backward shapes in float32 (the halves' kernels, after the mma forward). AB_ONLY="N:D,..."
 keeps only the shapes of those Nq and head dims.
 """
 import os
@@ -49,7 +50,7 @@ def forward_runs(q, k, v, causal):
 
 def backward_runs(q, k, v, causal):
     dout = torch.randn_like(q)
-    out, lse = new.flash_attention(q, k, v, causal=causal, return_lse=True)
+    out, lse = new.flash_attention(q, k, v, causal=causal, return_lse=True, kernel="mma")
     return {name: (lambda m=m: m.flash_attention_backward(q, k, v, out, lse, dout,
                                                            causal=causal, kernel="mma"))
             for name, m in (("old", old), ("new", new))}
@@ -88,6 +89,8 @@ if ONLY:
     keep = {tuple(map(int, x.split(":"))) for x in ONLY.split(",")}
     SHAPES = [s for s in SHAPES if (s[2], s[4]) in keep]
     BACKWARD_SHAPES = [s for s in BACKWARD_SHAPES if (s[2], s[4]) in keep]
+if "--float32" in sys.argv:
+    BACKWARD_SHAPES = [s[:5] + ("float32",) + s[6:] for s in BACKWARD_SHAPES]
 if "--backward" in sys.argv:
     compare(BACKWARD_SHAPES, backward_runs, 2.5, "backward shape")
 else:

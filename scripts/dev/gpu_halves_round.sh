@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU machine: float32 on tensor cores (float16 halves, halves.py), forward and backward.
 # PART names the steps, in order (default "check bench"):
+#   probe  mma_rounding_probe.py: how mma.sync rounds its float32 sums;
+#   long   halves_check.py --long: gradients summed over thousands of rows or keys, the
+#          halves beside the SIMT pair;
 #   consistency  halves_check.py --consistency: scores in the thousands, the backward's
 #          scores against the forward's;
 #   check  verify's standard suite, forward and backward, float32, numba-mma-backward; beside
@@ -12,6 +15,8 @@
 #   sanitize  compute-sanitizer memcheck and racecheck on one float32 call, causal, with a
 #          NaN in q (the nonfinite variants run);
 #   ab     the 16-bit forward and backward against the copy in _ab_mma_old (ab_mma.py);
+#   abf32  the float32 backward against the copy in _ab_mma_old (ab_mma.py --backward
+#          --float32);
 #   ncu    ncu --set full on the four kernels of one float32 call at (2, 16, 4096, 128):
 #          dkdv, its nonfinite variant (every block returns at once), dq, and its variant;
 #   conformance  pytest conformance --impl numba-mma-backward --backward.
@@ -19,7 +24,19 @@ set -u
 . "$(dirname "$0")/steps.sh"
 for PART in ${PART:-check bench}; do
   start=$(date +%s)
-  if [[ "$PART" == consistency ]]; then
+  if [[ "$PART" == probe ]]; then
+    timeout 120 python3 -W ignore scripts/dev/mma_rounding_probe.py > "$OUT/probe.log" 2>&1
+    echo "probe rc=$? in $(( $(date +%s) - start )) s"; cat "$OUT/probe.log"
+  elif [[ "$PART" == long ]]; then
+    timeout ${LONG_TIMEOUT:-300} python3 -W ignore scripts/dev/halves_check.py --long \
+      > "$OUT/long.log" 2>&1
+    echo "long rc=$? in $(( $(date +%s) - start )) s"; cat "$OUT/long.log"
+  elif [[ "$PART" == abf32 ]]; then
+    timeout ${AB_TIMEOUT:-200} python3 -W ignore scripts/dev/ab_mma.py --backward --float32 \
+      > "$OUT/ab_mma_float32.log" 2>&1
+    echo "ab_mma --backward --float32 rc=$? in $(( $(date +%s) - start )) s"
+    grep -v Warn "$OUT/ab_mma_float32.log"
+  elif [[ "$PART" == consistency ]]; then
     timeout 200 python3 -W ignore scripts/dev/halves_check.py --consistency \
       > "$OUT/consistency.log" 2>&1
     echo "consistency rc=$? in $(( $(date +%s) - start )) s"; tail -8 "$OUT/consistency.log"

@@ -3,7 +3,7 @@ rule.
 
     python scripts/dev/halves_check.py                 one call, forward and backward
     python scripts/dev/halves_check.py --consistency   scores in the thousands
-    python scripts/dev/halves_check.py --long          dV summed over thousands of rows
+    python scripts/dev/halves_check.py --long          gradients summed over thousands of rows
 
 The first: causal, GQA, a NaN in q, an inf in k and a NaN in v in other heads (so the
 forward's careful variant takes scores_exact and pv_seen_pairs, and the backward's nonfinite
@@ -71,21 +71,24 @@ def consistency():
 
 
 def long_sums():
-    """Gradients summed over many query rows (dV, dK of a key: Nq rows times the group), few
-    keys: the worst dv error / bound over 4 seeds, the halves beside the SIMT pair."""
+    """Gradients summed over many query rows (dV, dK of a key: Nq rows times the group) or
+    keys (dQ): the worst error / bound of dq, dk and dv over 4 seeds, the halves beside the
+    SIMT pair."""
     impls = [load("numba-mma-backward"), load("numba-tuned-backward")]
     base = Case(name="long", B=1, Hq=1, Hk=1, Nq=2047, Nk=1, D=16, Dv=16, dtype="float32",
                 backward=True)
-    for nq, nk, hq in ((256, 1, 1), (2047, 1, 1), (4096, 1, 1), (1023, 2, 3), (4096, 64, 1)):
-        case = replace(base, Nq=nq, Nk=nk, Hq=hq)
+    for nq, nk, hq, d in ((256, 1, 1, 16), (2047, 1, 1, 16), (4096, 1, 1, 16),
+                          (1023, 2, 3, 16), (4096, 64, 1, 16), (4096, 64, 1, 128),
+                          (2048, 2048, 1, 16), (64, 4096, 1, 16)):
+        case = replace(base, Nq=nq, Nk=nk, Hq=hq, D=d, Dv=d)
         line = []
         for impl in impls:
             results = [run_case(impl, case, seed=seed) for seed in range(4)]
-            worst = max((c.ratio for r in results for c in r.comparisons if c.name == "dv"),
-                        default=float("nan"))
+            worst = [max((c.ratio for r in results for c in r.comparisons if c.name == g),
+                         default=float("nan")) for g in ("dq", "dk", "dv")]
             line.append(f"{impl.name} {sum(r.verdict == 'pass' for r in results)}/4 pass, "
-                        f"dv worst {worst:.2f} of the bound")
-        print(f"Nq={nq} Nk={nk} Hq={hq}: " + "; ".join(line), flush=True)
+                        "dq dk dv worst " + " ".join(f"{x:.2f}" for x in worst))
+        print(f"Nq={nq} Nk={nk} Hq={hq} D={d}: " + "; ".join(line), flush=True)
 
 
 if __name__ == "__main__":

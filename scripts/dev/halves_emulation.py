@@ -13,12 +13,19 @@ float32):
 
     python scripts/dev/halves_emulation.py [--n 256,1024,4096] [--values normal,tiny,scaled,large]
     python scripts/dev/halves_emulation.py --consistency
+    python scripts/dev/halves_emulation.py --toward-zero
 
 Prints, per N and kind of values, the worst error over its bound (passes <= 1) for dq, dk, dv.
 --consistency: the forward in float32 as a kernel makes it (its own scores, lse and out), and
 the backward's scores three ways: from halves, from three float16 pieces (33 bits: hi hi + hi
 mid + mid hi + hi lo + lo hi + mid mid), and the forward's own; the worst ratio over 20 seeds
 for shapes where scores are large.
+--toward-zero: sums nearer mma.sync's than one rounding to nearest (the H200 cuts each
+product to the accumulator's ulp, scripts/dev/mma_rounding_probe.py; this model rounds each
+step's sum toward zero instead): each 16-term step of each product added to the float32
+accumulator rounding toward zero; beside
+it dV with each step's three products summed from 0 and added rounding to nearest (the
+kernels' halves.mma_halves_summed). dq dk dv, worst of 3 seeds, at long sums.
 """
 import argparse
 import os
@@ -57,7 +64,33 @@ def product(a, b, ca, cb):
     return acc / ca / cb
 
 
-def backward(q, k, v, dout):
+def toward_zero(x):
+    """float64 x rounded to float32 toward zero."""
+    f = x.astype(np.float32)
+    over = np.abs(f.astype(np.float64)) > np.abs(x)
+    f[over] = np.nextafter(f[over], np.float32(0))
+    return f
+
+
+def product_toward_zero(a, b, ca, cb, summed=False):
+    """product's sum as mma.sync makes it: 16 terms a step, the three products in the
+    kernels' order (lo hi, hi lo, hi hi), each added to the accumulator rounding toward
+    zero; summed: each step's three from 0, then added to the accumulator to nearest."""
+    ah, al = split((a * ca).astype(np.float32))
+    bh, bl = split((b * cb).astype(np.float32))
+    acc = np.zeros(a.shape[:-1] + b.shape[-1:], np.float32)
+    for k0 in range(0, a.shape[-1], 16):
+        ks = slice(k0, k0 + 16)
+        x = {"h": ah[..., ks].astype(np.float64), "l": al[..., ks].astype(np.float64)}
+        y = {"h": bh[..., ks, :].astype(np.float64), "l": bl[..., ks, :].astype(np.float64)}
+        step = np.zeros_like(acc) if summed else acc
+        for i, j in ("lh", "hl", "hh"):
+            step = toward_zero(step.astype(np.float64) + x[i] @ y[j])
+        acc = acc + step if summed else step
+    return acc / ca / cb
+
+
+def backward(q, k, v, dout, product=product, dv_product=None):
     d = q.shape[-1]
     scale = np.float32(1 / np.sqrt(d))
     out, lse = reference.attention(q, k, v, return_lse=True)  # the forward's saved values
@@ -69,7 +102,7 @@ def backward(q, k, v, dout):
     delta = (dout * out).sum(axis=-1, keepdims=True, dtype=np.float32)
     ds = p * (dp - delta)
     c_ds = np.float32(2.0 ** -(15 + int(np.log2(d)))) * cv * cdo  # dS' = dS c_v c_do 2^-(..)
-    dv = product(np.swapaxes(p, -1, -2), dout, np.float32(2.0**TOP), cdo)
+    dv = (dv_product or product)(np.swapaxes(p, -1, -2), dout, np.float32(2.0**TOP), cdo)
     dk = product(np.swapaxes(ds, -1, -2), q, c_ds, cq) * scale
     dq = product(ds, k, c_ds, ck) * scale
     return dq, dk, dv
@@ -174,7 +207,28 @@ def consistency():
               flush=True)
 
 
+def toward_zero_sums():
+    print("(Nq, Nk): worst error / bound over 3 seeds, D = 16, dq dk dv: sums rounded to "
+          "nearest every 256 terms | toward zero every step | toward zero, dV summed a step")
+    ways = ((product, None), (product_toward_zero, None),
+            (product_toward_zero, lambda *a: product_toward_zero(*a, summed=True)))
+    for nq, nk in ((4096, 64), (4096, 1), (2048, 2048), (64, 4096)):
+        worst = np.zeros((len(ways), 3))
+        for seed in range(3):
+            rng = np.random.default_rng(seed)
+            q, dout = (rng.standard_normal((1, 1, nq, 16)).astype(np.float32) for _ in "qo")
+            k, v = (rng.standard_normal((1, 1, nk, 16)).astype(np.float32) for _ in "kv")
+            for i, (prod, dv_prod) in enumerate(ways):
+                grads = backward(q, k, v, dout, prod, dv_prod)
+                worst[i] = np.maximum(worst[i], [c.ratio for c in judge_backward(
+                    q, k, v, dout, grads, dtype="float32")])
+        print(f"({nq}, {nk}) " + " | ".join(" ".join(f"{r:.3f}" for r in w) for w in worst),
+              flush=True)
+
+
 def main():
+    if "--toward-zero" in sys.argv:
+        return toward_zero_sums()
     if "--consistency" in sys.argv:
         return consistency()
     if "--forward" in sys.argv:
