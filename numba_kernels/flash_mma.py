@@ -152,13 +152,13 @@ def mma_width(d):
     return next((w for w in MMA_WIDTHS if w >= d), None)
 
 
-def mma_plan(pb, has_mask=False, dtypes=MMA_INPUT_DTYPES):
+def mma_plan(pb, has_mask=False):
     """Why the tensor-core kernels do not apply to problem pb (reference.contract's), or
-    None: inputs of `dtypes` (float32 as float16 halves), head dims multiples of 8 (whole
-    16-byte copies) up to the widest, float32 with a mask or bias (has_mask) up to
+    None: inputs of MMA_INPUT_DTYPES (float32 as float16 halves), head dims multiples of 8
+    (whole 16-byte copies) up to the widest, float32 with a mask or bias (has_mask) up to
     HALVES_MASK_WIDTH (halves_ship). The forward and the backward ask the same."""
-    if pb.dtype not in dtypes:
-        return f"dtype {pb.dtype}: it takes {', '.join(dtypes)}"
+    if pb.dtype not in MMA_INPUT_DTYPES:
+        return f"dtype {pb.dtype}: it takes {', '.join(MMA_INPUT_DTYPES)}"
     if pb.d % 8 or pb.dv % 8 or max(pb.d, pb.dv) > MMA_WIDTHS[-1]:
         return (f"head dims D={pb.d}, Dv={pb.dv}: it takes multiples of 8 up to "
                 f"{MMA_WIDTHS[-1]}")
