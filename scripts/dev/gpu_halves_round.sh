@@ -17,8 +17,9 @@
 #   ab     the 16-bit forward and backward against the copy in _ab_mma_old (ab_mma.py);
 #   abf32  the float32 backward against the copy in _ab_mma_old (ab_mma.py --backward
 #          --float32);
-#   ncu    ncu --set full on the four kernels of one float32 call at (2, 16, 4096, 128):
-#          dkdv, its nonfinite variant (every block returns at once), dq, and its variant;
+#   ncu    ncu --set full on the six kernels of one float32 call at (2, 16, 4096, 128):
+#          dk, dv (flash_mma_bwd.kv_parts) and dq, each with its nonfinite variant (every
+#          block returns at once);
 #   conformance  pytest conformance --impl numba-mma-backward --backward.
 set -u
 . "$(dirname "$0")/steps.sh"
@@ -67,8 +68,8 @@ for PART in ${PART:-check bench}; do
   elif [[ "$PART" == ncu ]]; then
     KEYS="^    (Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Issue Slots Busy"
     KEYS="$KEYS|No Eligible|Executed Instructions  |Dynamic Shared|Block Limit (Reg|Shared))"
-    timeout 200 ncu --clock-control none --set full -k regex:'mma_dkdv|mma_dq' --launch-skip 4 \
-      --launch-count 4 python3 scripts/dev/profile_backward.py 128 4096 float32 mma \
+    timeout 200 ncu --clock-control none --set full -k regex:'mma_dkdv|mma_dq' --launch-skip 6 \
+      --launch-count 6 python3 scripts/dev/profile_backward.py 128 4096 float32 mma \
       > "$OUT/ncu_halves.txt" 2>&1
     echo "ncu rc=$? in $(( $(date +%s) - start )) s"
     grep -E "^  [a-z_]|$KEYS|pipe" "$OUT/ncu_halves.txt" | grep -v "^    -" | head -60
