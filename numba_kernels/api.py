@@ -71,9 +71,23 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
 
 
 KERNELS = ("simt", "mma", "auto")
-# why "auto" leaves float32 to the SIMT kernels, forward and backward alike
-FLOAT32_ASKED = ("float32 takes the tensor cores (as float16 halves) only when asked, "
-                 "kernel='mma' (PERF.md, 'float16 halves, forward too')")
+FLOAT32_MIN_ROWS = 64  # "auto": float32 with fewer query rows (decoding) stays on SIMT
+
+
+def float32_why_not(pb, has_mask):
+    """Why "auto" leaves float32 problem pb to the SIMT kernels, forward and backward alike,
+    or None: the tensor cores take float32 as float16 halves (halves.py) where verify's
+    numba-mma-backward certifies the pair, without a mask or bias, and where a query tile
+    is full: with one query row the halves' pre-pass, which reads k and v once more, made
+    decoding twice as slow on the H200 (PERF.md)."""
+    if has_mask:
+        return ("float32 with a mask or bias takes the tensor cores only when asked, "
+                "kernel='mma' (verify's numba-mma-backward does not certify it)")
+    if pb.n_q < FLOAT32_MIN_ROWS:
+        return (f"float32 with fewer than {FLOAT32_MIN_ROWS} query rows (decoding) takes "
+                "the tensor cores only when asked, kernel='mma' (their pre-pass reads k and "
+                "v once more)")
+    return None
 
 
 def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
@@ -81,8 +95,8 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
     """(kernel, why): which forward kernel flash_attention runs for these arguments, "simt"
     (flash_fwd.py) or "mma" (flash_mma.py), and why. kernel="auto" takes the tensor-core
     kernel where it applies (flash_mma.mma_plan: head dims multiples of 8 up to 128; no
-    spec of the SIMT kernel given) for float16 and bfloat16 (float32 only when asked:
-    FLOAT32_ASKED) and says why not where it falls back; "mma" raises
+    spec of the SIMT kernel given) for float16, bfloat16 and float32 (float32_why_not: not
+    with a mask or bias, nor for decoding) and says why not where it falls back; "mma" raises
     ValueError with that reason instead. num_splits is taken as flash_attention takes it;
     both kernels split the keys, so it does not decide."""
     _check_kernel(kernel)
@@ -104,9 +118,10 @@ def _plan(pb, kernel, spec, has_mask):
     if why_not is None and spec is not None:
         why_not = "a spec (a variant of the SIMT kernel) was given"
     if why_not is None and kernel == "auto" and pb.dtype == "float32":
-        why_not = FLOAT32_ASKED
+        why_not = float32_why_not(pb, has_mask)
     if why_not is None:
-        return "mma", "asked for" if kernel == "mma" else "16-bit inputs it takes"
+        return "mma", "asked for" if kernel == "mma" else "16-bit inputs it takes" \
+            if pb.dtype != "float32" else "float32 inputs it takes, as float16 halves"
     if kernel == "mma":
         raise ValueError(f"kernel='mma': {why_not}")
     return "simt", f"the tensor-core kernel does not apply: {why_not}"

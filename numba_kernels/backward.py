@@ -31,9 +31,10 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     dlse: the gradient of lse too, (B, Hq, Nq) float32, where the loss used it: since
     d lse_i / d s_ij = P_ij, it enters as delta - dlse (dS = P * (dP - delta + dlse)).
     kernel: "auto" (the default, the same choice as flash_attention's "auto" forward: "mma"
-    for 16-bit inputs where it applies, else "tuned"), "mma" (flash_mma_bwd.py: tensor
-    cores, float16 and bfloat16, and float32 as two float16 halves a value (halves.py:
-    2.2-3.9 times faster than "tuned"); head dims multiples of 8 up to 128, float32 with a
+    where it applies, float32 too from 64 query rows without a mask or bias
+    (api.float32_why_not), else "tuned"), "mma" (flash_mma_bwd.py: tensor cores, float16
+    and bfloat16, and float32 as two float16 halves a value (halves.py: 2.3-3.0 times
+    faster than "tuned" on the H200); head dims multiples of 8 up to 128, float32 with a
     mask or bias up to 64; ValueError where it does not apply; float32's scores are the
     forward's bit for bit when out and lse came from flash_attention(kernel="mma"): after
     the SIMT forward's take "tuned", whose scores round as that forward's do), "tuned"

@@ -155,7 +155,7 @@ def test_the_warm_lists_are_variants_the_gate_checks():
                              "tuned": {"delta"}, "mma": {"delta"}}[backward]
             assert any(isinstance(s, BwdSpec) for s in wanted) == (backward == "tuned")
             assert {s.part for s in wanted if isinstance(s, MmaBwdSpec)} == (
-                {"dkdv", "dq"} if backward == "mma" else set())
+                {"dkdv", "dk", "dv", "dq"} if backward == "mma" else set())  # kv_parts
             assert (ScanSpec("float16") in wanted) == (backward == "mma")
             assert any(isinstance(s, MmaSpec) for s in wanted) == (forward == "mma")
     # the tensor-core forward takes float32 too (kernel="mma"): its merge and the halves'

@@ -98,8 +98,10 @@ def test_flash_attention_takes_the_kernel_by_name():
 @pytest.mark.parametrize("dtype,D,options,want,phrase", [
     ("float16", 64, {}, "mma", "16-bit inputs"),
     ("bfloat16", 128, dict(causal="top_left"), "mma", "16-bit inputs"),
-    ("float32", 64, {}, "simt", "only when asked, kernel='mma'"),
+    ("float32", 64, {}, "simt", "fewer than 64 query rows (decoding)"),
     ("float32", 72, dict(mask=np.ones((4, 4), bool)), "simt", "float32 with a mask"),
+    ("float32", 64, dict(mask=np.ones((4, 4), bool)), "simt", "float32 with a mask or bias "
+                                                              "takes the tensor cores only"),
     ("float16", 40 + 1, {}, "simt", "head dims D=41"),
     ("float16", 256, {}, "simt", "up to 128"),
     ("float16", 64, dict(num_splits=3), "mma", "16-bit inputs"),
@@ -111,6 +113,15 @@ def test_auto_takes_the_tensor_core_kernel_where_it_applies_and_says_why_not(
     q = np.zeros((1, 1, 4, D), numpy_dtype(dtype))
     kernel, why = kernel_plan(q, q, q, kernel="auto", **options)
     assert kernel == want and phrase in why, (kernel, why)
+
+
+def test_the_default_takes_the_tensor_cores_for_float32_from_one_full_query_tile():
+    """float32 as float16 halves (halves.py) where verify certifies the pair: no mask or
+    bias, 64 query rows or more (api.float32_why_not)."""
+    q = np.zeros((1, 2, 64, 72), np.float32)
+    assert kernel_plan(q, q, q) == ("mma", "float32 inputs it takes, as float16 halves")
+    assert kernel_plan(q[:, :, :63], q, q)[0] == "simt"
+    assert kernel_plan(q, q, q, bias=np.zeros((64, 64), np.float32))[0] == "simt"
 
 
 def test_the_default_takes_the_tensor_core_kernel_for_decoding_too(monkeypatch):

@@ -153,7 +153,7 @@ def test_the_gate_lists_every_variant_a_call_can_launch():
     (forward and backward) to mma_width's."""
     from numba_kernels.flash_bwd import BwdSpec, bwd_width
     from numba_kernels.flash_mma import MmaSpec, mma_plan, mma_width
-    from numba_kernels.flash_mma_bwd import MmaBwdSpec, ScanSpec
+    from numba_kernels.flash_mma_bwd import MmaBwdSpec, ScanSpec, kv_parts
     from numba_kernels.halves import halves_specs
     from numba_kernels.plain_bwd import PlainBwdSpec
     from numba_kernels.plain_fwd import PlainSpec
@@ -175,8 +175,10 @@ def test_the_gate_lists_every_variant_a_call_can_launch():
                         wanted += [MmaSpec(mma_width(d), mma_width(dv), dtype, m, p, c)
                                    for p in (False, True) for c in (False, True)]
                         wanted += halves_specs() if dtype == "float32" else [ScanSpec(dtype)]
-                        wanted += [MmaBwdSpec(part, mma_width(d), mma_width(dv), dtype, m, n)
-                                   for part in ("dkdv", "dq") for n in (False, True)]
+                        wd, wv = mma_width(d), mma_width(dv)
+                        wanted += [MmaBwdSpec(part, wd, wv, dtype, m, n)
+                                   for part in kv_parts(dtype, wd, wv, m) + ("dq",)
+                                   for n in (False, True)]
                     missing |= set(wanted) - gate
     assert not missing, sorted(map(str, missing))[:10]
 
