@@ -49,13 +49,13 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     (split_kv.py); None chooses: splits only when the query tiles alone leave the GPU's SMs
     idle (decoding). spec: a KernelSpec that forces one variant of the SIMT kernel (for
     benchmarks); by default specs.choose_spec picks it. kernel: "auto" (the default: the
-    tensor-core kernel for 16-bit inputs where it applies, else the SIMT one), "simt"
-    (flash_fwd.py, every dtype and head dims up to 256) or "mma" (flash_mma.py: float16 and
-    bfloat16, and float32 as two float16 halves a value (halves.py), 2.9-3.3 times faster
-    than "simt" in float32 at N >= 4096 on an H200, whose scores
-    flash_attention_backward(kernel="mma") then recomputes bit for bit; head dims multiples of 8 up to 128, float32 with a mask or bias up to 64; a
-    ValueError says why where it does not apply); kernel_plan tells which one a call gets,
-    and why.
+    tensor-core kernel where it applies, float32 from 64 query rows without a mask or bias
+    (float32_why_not), else the SIMT one), "simt" (flash_fwd.py, every dtype and head dims up
+    to 256) or "mma" (flash_mma.py: float16 and bfloat16, and float32 as two float16 halves a
+    value (halves.py), 2.9-3.3 times faster than "simt" in float32 at N >= 4096 on an H200,
+    whose scores flash_attention_backward recomputes bit for bit with the same kernel=; head
+    dims multiples of 8 up to 128, float32 with a mask or bias up to 64; a ValueError says
+    why where it does not apply); kernel_plan tells which one a call gets, and why.
     """
     if type(q).__module__.startswith("torch") and spec is None:
         from . import autograd
