@@ -2,7 +2,7 @@
 instructions or shared memory over the static (or the dynamic) limit
 (numba_kernels/ptx_report.py).
 
-Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling the 563
+Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling the 591
 kernels (numba_kernels.specs.gate_specs) takes about 12 minutes on 2 cores: tests/conftest.py starts the report as soon as this
 test is collected, on every core beside the other tests, and runs this test last, to collect
 its result. The report caches each variant's figures under a key of everything they depend
