@@ -4,6 +4,7 @@ flash_mma_bwd.py, dtype float32) and the agreement of their scores, in the simul
 scripts/dev/gpu_halves_round.sh certifies them on a GPU (verify's standard suite, float32)."""
 import numpy as np
 import pytest
+from numba import cuda  # a global: the simulator swaps it for its own in kernels
 
 import verify
 from numba_kernels import api, backward, halves
@@ -124,3 +125,83 @@ def test_the_backward_sees_the_forwards_scores():
     (kernel="simt") the error is 8e-5 and this fails (checked once, left out of CI for its
     40 s)."""
     assert _one_key_dv_error("mma") <= 2.0**-20
+
+
+def _mma_as_the_h200_sums(a, b, c, dtype):
+    """warp.mma_reference as the H200 rounds (scripts/dev/mma_rounding_probe.py): each product
+    and C cut toward zero to the ulp of the largest of them, then summed, the sum cut to
+    float32 toward zero."""
+    from numba_kernels import warp
+    A, B = warp.a_matrix(warp.unpack(a, dtype)), warp.b_matrix(warp.unpack(b, dtype))
+    C = warp.c_matrix(np.asarray(c, np.float64))
+    addends = np.concatenate([A[:, :, None] * B[None, :, :], C[:, None, :]], axis=1)
+    top = np.abs(addends).max(axis=1, keepdims=True)
+    ulp = np.ldexp(1.0, np.frexp(np.where(top > 0, top, 1.0))[1] - 24)
+    total = (np.trunc(addends / ulp) * ulp).sum(axis=1)
+    out = total.astype(np.float32)
+    over = np.abs(out.astype(np.float64)) > np.abs(total)
+    out[over] = np.nextafter(out[over], np.float32(0))
+    return warp.c_registers(out)
+
+
+def test_the_model_of_the_h200s_sums_gives_the_probes_answers():
+    """scripts/dev/mma_rounding_probe.py's cases (c, a, b: every element c + 16 a b) and what
+    the H200 returned for them (PERF.md, h3)."""
+    from numba_kernels import warp
+    a_quarter = 0.75 * 2.0**-13
+    for c, a, b, h200, as_nearest in (
+            (1.0, a_quarter, 2.0**-14, 1.0, False), (-1.0, a_quarter, -2.0**-14, -1.0, False),
+            (1.0, a_quarter, -2.0**-16, 1.0, True), (3.0, a_quarter, 2.0**-14, 3.0, True),
+            (1.0, 2.0**-12, 819 * 2.0**-24, 1.0, False)):
+        aw = np.full((32, 4), warp.pack_bits(*[warp.value_bits(a, "float16")] * 2))
+        bw = np.full((32, 2), warp.pack_bits(*[warp.value_bits(b, "float16")] * 2))
+        d = _mma_as_the_h200_sums(aw, bw, np.full((32, 4), c, np.float32), "float16")
+        assert (d == np.float32(h200)).all(), (c, a, b, d[0, 0])
+        nearest = warp.mma_reference(aw, bw, np.full((32, 4), c, np.float32), "float16")
+        assert (nearest == np.float32(h200)).all() == as_nearest  # the simulator's sums
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a simulator test")
+def test_dvs_step_sums_keep_what_the_tensor_cores_cut(monkeypatch):
+    """dV's products, each far below dV's ulp: the tensor cores (modelled as the H200 sums)
+    drop them all where they are added to dV itself (mma_halves), and keep their sum where
+    it is made from 0 first and added by a float32 add (mma_halves_summed, make_pv_halves
+    SUMMED). acc = 1, 16 keys of P = 2^-12 and V = 819 2^-24: 1 + 1.6 ulp."""
+    from numba_kernels import warp
+    from numba_kernels.convert import float32, uint32
+
+    v_row, keys = 12, 16  # 16 columns of V and 8 of padding: 12 words a row
+    lo_words = keys * v_row
+    value = warp.pack_bits(*[warp.value_bits(819 * 2.0**-24, "float16")] * 2)
+    words_in = np.zeros(2 * lo_words, np.uint32)
+    words_in[:lo_words] = value  # hi tile; the lo tile is 0
+
+    def run(summed):
+        pv = halves.make_pv_halves(16, v_row, lo_words, keys, summed)
+
+        @cuda.jit
+        def kernel(words_in, out):
+            words = cuda.shared.array(2 * 16 * 12, uint32)
+            lane = cuda.threadIdx.x
+            for i in range(lane, words_in.size, 32):
+                words[i] = words_in[i]
+            cuda.syncthreads()
+            s = cuda.local.array((2, 4), float32)
+            acc = cuda.local.array((2, 4), float32)
+            for i in range(2):
+                for e in range(4):
+                    s[i, e], acc[i, e] = float32(2.0**-12), float32(1.0)
+            pv(words, 0, s, acc, lane)
+            for i in range(2):
+                for e in range(4):
+                    out[lane, i, e] = acc[i, e]
+
+        out = np.zeros((32, 2, 4), np.float32)
+        kernel[1, 32](words_in, out)
+        return out
+
+    one_and_two_ulp = np.float32(1 + 2.0**-22)  # 1 + 1.6 ulp, to nearest
+    assert (run(True) == one_and_two_ulp).all() and (run(False) == one_and_two_ulp).all()
+    monkeypatch.setattr(warp, "mma_reference", _mma_as_the_h200_sums)
+    assert (run(True) == one_and_two_ulp).all()
+    assert (run(False) == 1.0).all()  # every product cut
