@@ -4,6 +4,7 @@
 #   probe  mma_rounding_probe.py: how mma.sync rounds its float32 sums;
 #   long   halves_check.py --long: gradients summed over thousands of rows or keys, the
 #          halves beside the SIMT pair;
+#   keys   halves_check.py --long-keys: out, lse and gradients over 16k-32k keys;
 #   consistency  halves_check.py --consistency: scores in the thousands, the backward's
 #          scores against the forward's;
 #   check  verify's standard suite, forward and backward, float32, numba-mma-backward; beside
@@ -32,6 +33,10 @@ for PART in ${PART:-check bench}; do
     timeout ${LONG_TIMEOUT:-300} python3 -W ignore scripts/dev/halves_check.py --long \
       > "$OUT/long.log" 2>&1
     echo "long rc=$? in $(( $(date +%s) - start )) s"; cat "$OUT/long.log"
+  elif [[ "$PART" == keys ]]; then
+    timeout ${LONG_TIMEOUT:-300} python3 -W ignore scripts/dev/halves_check.py --long-keys \
+      > "$OUT/keys.log" 2>&1
+    echo "keys rc=$? in $(( $(date +%s) - start )) s"; cat "$OUT/keys.log"
   elif [[ "$PART" == abf32 ]]; then
     timeout ${AB_TIMEOUT:-200} python3 -W ignore scripts/dev/ab_mma.py --backward --float32 \
       > "$OUT/ab_mma_float32.log" 2>&1

@@ -4,6 +4,7 @@ rule.
     python scripts/dev/halves_check.py                 one call, forward and backward
     python scripts/dev/halves_check.py --consistency   scores in the thousands
     python scripts/dev/halves_check.py --long          gradients summed over thousands of rows
+    python scripts/dev/halves_check.py --long-keys     out, lse and gradients over 16k-32k keys
 
 The first: causal, GQA, a NaN in q, an inf in k and a NaN in v in other heads (so the
 forward's careful variant takes scores_exact and pv_seen_pairs, and the backward's nonfinite
@@ -91,8 +92,29 @@ def long_sums():
         print(f"Nq={nq} Nk={nk} Hq={hq} D={d}: " + "; ".join(line), flush=True)
 
 
+def long_keys():
+    """The forward's O = P V summed over many keys (and dQ's dS K), where mma.sync's cut
+    products add up too: the worst error / bound over 2 seeds of out and lse (a forward
+    case) and of dq, dk, dv (a backward case)."""
+    impl = load("numba-mma-backward")
+    base = Case(name="keys", B=1, Hq=1, Hk=1, Nq=64, Nk=32768, D=128, Dv=128,
+                dtype="float32")
+    for nq, nk, d in ((64, 32768, 128), (256, 16384, 64), (64, 32768, 16)):
+        worst, passed = [], 0
+        for backward, names in ((False, ("out", "lse")), (True, ("dq", "dk", "dv"))):
+            case = replace(base, Nq=nq, Nk=nk, D=d, Dv=d, backward=backward)
+            results = [run_case(impl, case, seed=seed) for seed in range(2)]
+            passed += sum(r.verdict == "pass" for r in results)
+            worst += [max(c.ratio for r in results for c in r.comparisons if c.name == g)
+                      for g in names]
+        print(f"Nq={nq} Nk={nk} D={d}: {passed}/4 pass, out lse dq dk dv worst "
+              + " ".join(f"{x:.2f}" for x in worst), flush=True)
+
+
 if __name__ == "__main__":
-    if "--consistency" in sys.argv:
+    if "--long-keys" in sys.argv:
+        long_keys()
+    elif "--consistency" in sys.argv:
         consistency()
     elif "--long" in sys.argv:
         long_sums()
