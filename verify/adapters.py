@@ -9,9 +9,9 @@ Built-in adapters (imported lazily, by name): reference, numba, numba-plain,
 numba-tuned-backward (numba's forward, gradients from numba_kernels/flash_bwd.py),
 numba-mma-backward (float32 on the tensor cores as float16 halves, forward and gradients:
 flash_mma.py and flash_mma_bwd.py with kernel="mma", what "auto" runs for float32 from 64
-query rows without a mask or bias), numba-mma (the tensor-core kernels alone: flash_mma.py's forward,
-flash_mma_bwd.py's backward), torch-math, torch-efficient, torch-flash, torch-cudnn,
-flash-attn, jax-xla, jax-cudnn. Each states the
+query rows without a mask or bias), numba-mma (the tensor-core kernels alone:
+flash_mma.py's forward, flash_mma_bwd.py's backward), torch-math, torch-efficient,
+torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn. Each states the
 conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
 causal_lower_right), flash-attn's causal is bottom-right; neither returns lse from these
 entry points except flash-attn.
