@@ -146,8 +146,11 @@ def unpack(regs, dtype):
 def mma_reference(a, b, c, dtype):
     """D of mma.m16n8k16 for a warp: a (32, 4), b (32, 2) registers, c (32, 4) float32 ->
     (32, 4) float32. Products of 16-bit values are exact in float64 and the sum is rounded
-    once to float32 (the hardware adds in an unspecified order with at least float32
-    precision: within an ulp or so of this)."""
+    once to float32, to nearest. The H200 does not round so: it cuts each product to the
+    ulp of the largest addend (C, in a long sum) before adding, toward zero
+    (scripts/dev/mma_rounding_probe.py; tests/test_halves.py models it), within an ulp of
+    this a product. A long chain of mma.sync on one accumulator drifts on the GPU where it
+    does not here (halves.py, dV's step sums)."""
     A, B = a_matrix(unpack(a, dtype)), b_matrix(unpack(b, dtype))
     C = c_matrix(np.asarray(c, np.float64))
     return c_registers((A @ B + C).astype(np.float32))
