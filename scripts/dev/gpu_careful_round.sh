@@ -6,7 +6,9 @@
 #          and gpu_check.py's battery and compute-sanitizer racecheck and memcheck (a V tile
 #          holding NaN, under a mask: the careful variant runs);
 #   host   replayed calls against whole ones (replay_check.py), then each call beside its
-#          kernel alone, against _ab_mma_old (call_timeline.py);
+#          kernel alone, against _ab_mma_old and against calls without the careful launch
+#          (call_timeline.py);
+#   split  careful_split_check.py, alone and under compute-sanitizer memcheck and racecheck;
 #   bench  the forward benchmark beside flash, efficient and cuDNN, decoding first;
 #   tf32   scripts/dev/tf32_probe.py (issue 16: float32 on tensor cores);
 #   ncu    ncu --set full on the main kernel at (4, 16, 8192, 64) bfloat16, the working tree's
@@ -31,8 +33,17 @@ for PART in ${PART:-ab check}; do
     timeout 150 python3 -W ignore scripts/dev/replay_check.py > "$OUT/replay_check.log" 2>&1
     echo "replay_check rc=$?"; tail -12 "$OUT/replay_check.log"
     timeout 200 python3 -W ignore scripts/dev/call_timeline.py \
-      --packages numba_kernels,_ab_mma_old --n 4096,8192 > "$OUT/call_timeline.log" 2>&1
+      --packages numba_kernels,_ab_mma_old,numba_kernels:nocareful --n 4096,8192 \
+      > "$OUT/call_timeline.log" 2>&1
     echo "call_timeline rc=$? in $(( $(date +%s) - start )) s"; grep -v Warn "$OUT/call_timeline.log"
+  elif [[ "$PART" == split ]]; then
+    timeout 200 python3 -W ignore scripts/dev/careful_split_check.py > "$OUT/split.log" 2>&1
+    echo "careful_split_check rc=$?"; tail -8 "$OUT/split.log"
+    for tool in memcheck racecheck; do
+      timeout 200 compute-sanitizer --tool $tool --report-api-errors no python3 -W ignore \
+        scripts/dev/careful_split_check.py > "$OUT/split_$tool.log" 2>&1
+      echo "careful_split_check under $tool rc=$?"; tail -3 "$OUT/split_$tool.log"
+    done
   elif [[ "$PART" == bench ]]; then
     timeout 300 python3 -W ignore benchmarks/attention_speed.py --out "$OUT" --n 4096,8192 \
       --dtypes float16,bfloat16 --impls numba-mma,flash,efficient,cudnn --decode-first \

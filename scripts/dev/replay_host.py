@@ -4,8 +4,9 @@ made through ctypes straight into libcuda instead of cuda.bindings.
 
     python scripts/dev/replay_host.py [--shape 4x16x4096x64] [--dtype bfloat16] [--calls 2000]
 
-The pieces: the whole call; its layout key (api.replay_key); the buffers' torch.empty; each
-recorded launch
+The pieces: the whole call; its layout key (api.replay_key) and three of its parts; the
+buffers' torch.empty, one torch.empty beside a bare block of the caching allocator; the
+autograd check of flash_attention's entry; each recorded launch
 (numba_internals.PackedLaunch: its writes and cuLaunchKernel through cuda.bindings); the
 launch's driver call alone, through cuda.bindings and through ctypes. Nothing waits for the
 GPU between calls except every 100th (so the queue stays short).
@@ -20,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.getcwd())
-from numba_kernels import flash_attention, replay  # noqa: E402
+from numba_kernels import autograd, flash_attention, replay  # noqa: E402
 from numba_kernels.api import replay_key  # noqa: E402
 
 
@@ -34,6 +35,12 @@ def median_us(fn, calls):
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     return statistics.median(times) / 1e3
+
+
+def raw_alloc_free():
+    """A 4 KB block from torch's caching allocator and back, as a bare pointer."""
+    ptr = torch.cuda.caching_allocator_alloc(4096)
+    torch.cuda.caching_allocator_delete(ptr)
 
 
 def ctypes_launcher(packed):
@@ -65,7 +72,15 @@ def main():
     rows = [("whole call", lambda: flash_attention(q, k, v, **options)),
             ("layout key", lambda: replay_key(q, k, v, **options)),
             ("torch.empty of the buffers", lambda: [torch.empty(s, dtype=t, device=dv)
-                                                    for s, t, dv in rec.buffers])]
+                                                    for s, t, dv in rec.buffers]),
+            ("one torch.empty (uint8, 4 KB)", lambda: torch.empty(4096, dtype=torch.uint8,
+                                                               device="cuda")),
+            ("caching_allocator_alloc + delete (4 KB)", raw_alloc_free),
+            ("torch.cuda.current_stream().cuda_stream",
+             lambda: torch.cuda.current_stream(q.device).cuda_stream),
+            ("3 x (dtype, shape, stride(), device)", lambda: [
+                (x.dtype, x.shape, x.stride(), x.device) for x in (q, k, v)]),
+            ("flash_attention's autograd check", lambda: autograd.wanted(q, k, v))]
     ptrs = [x.data_ptr() for x in (q, k, v)] + [0] * len(rec.buffers) + rec.kept_ptrs
     new = [torch.empty(s, dtype=t, device=dv) for s, t, dv in rec.buffers]
     ptrs[3:3 + len(new)] = [t.data_ptr() for t in new]
