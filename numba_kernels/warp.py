@@ -161,12 +161,19 @@ if SIMULATOR:
     _pending = threading.local()  # a thread's asynchronous copies not yet landed
 
     class _Meeting:
-        """Where the lanes of one simulated warp exchange values: each puts its own in, waits
-        for all, takes a copy, and waits again so that the slots may be reused."""
+        """Where the lanes of one simulated warp exchange values: each puts its own in and
+        waits for all; the last to arrive computes the result before any lane goes on (the
+        barrier's action). One wait a meeting suffices: a lane that goes on to the next
+        meeting may overwrite its value, but the result is replaced only when every lane,
+        each having read this one, has arrived there."""
 
         def __init__(self, lanes):
-            self.values = [None] * lanes
-            self.barrier = threading.Barrier(lanes, timeout=MEETING_TIMEOUT_S)
+            self.values, self.combine, self.result = [None] * lanes, None, None
+            self.barrier = threading.Barrier(lanes, action=self._combine,
+                                             timeout=MEETING_TIMEOUT_S)
+
+        def _combine(self):
+            self.result = self.combine(self.values)
 
     def _meet(key, lanes, lane, value, combine):
         """Every lane's value -> combine(values), computed once (by one lane) for all."""
@@ -175,12 +182,9 @@ if SIMULATOR:
             if meeting is None or meeting.barrier.broken or len(meeting.values) != lanes:
                 meeting = _meetings[key] = _Meeting(lanes)
         meeting.values[lane] = value
-        if meeting.barrier.wait() == 0:
-            meeting.result = combine(meeting.values)
+        meeting.combine = combine  # (every lane's is the same operation)
         meeting.barrier.wait()
-        result = meeting.result
-        meeting.barrier.wait()  # every lane has its result: the meeting may be reused
-        return result
+        return meeting.result
 
     @device_function
     def _warp_values(value, combine=list):
