@@ -620,27 +620,29 @@ def kernel_source(spec):
 
         tid = cuda.threadIdx.x
         w, lane = tid // 32, tid % 32
-        # The last query tile first (rank 0): under a causal band it walks the most keys;
-        # then rank by rank across a group of heads (flash_fwd.grouped_order).
-        bh, rank = grid_order_grouped(right >= 0)
+        if CAREFUL:  # the grid's own order: few of its blocks do work
+            bh, tile = int64(cuda.blockIdx.y), int64(cuda.blockIdx.x)
+        else:  # the last query tile first (rank 0): under a causal band it walks the most
+            # keys; then rank by rank across a group of heads (flash_fwd.grouped_order)
+            bh, rank = grid_order_grouped(right >= 0)
+            tile = cuda.gridDim.x - 1 - rank
         b, h = bh // heads_q, bh % heads_q
+        split = cuda.blockIdx.z  # split-KV: this block's keys split * split_len .. + split_len
+        ob = split * kv_lengths.shape[0] + b  # out's batch index (split s of b at s * B + b)
+        if CAREFUL and deferred[ob, h, tile] == 0:
+            return  # first thing: the fast variant did this block (most often every one)
         hk = h // group  # grouped-query attention: query head h reads key head h // group
         heads_k, n_k = k.shape[1], k.shape[2]
         q_base = (int64(b) * heads_q + h) * n_q * d  # flat offsets of the head's matrices
         k_base = (int64(b) * heads_k + hk) * n_k * d
         v_base = (int64(b) * heads_k + hk) * n_k * dv
-        tile = cuda.gridDim.x - 1 - rank  # the query tile
         start_m = tile * BLOCK_M
         whole_rows = start_m + BLOCK_M <= n_q  # every row of the tile exists
         row0 = start_m + w * 16 + lane // 4  # the lane's rows: row0 and row0 + 8
         kv_len = int64(kv_lengths[b])
-        split = cuda.blockIdx.z  # split-KV: this block's keys split * split_len .. + split_len
-        ob = split * kv_lengths.shape[0] + b  # out's batch index (split s of b at s * B + b)
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
             split, split_len, BLOCK_N)
-        if CAREFUL and deferred[ob, h, tile] == 0:
-            return  # the fast variant did this block
         q_bad = HALVES and own_flagged(q_flags, b, h, start_m)  # scores_exact's
         if HALVES and not CAREFUL and tiles_flagged(k_flags, k_flags, b, hk, 1, first,
                                                     last - 1, tid, q_bad):

@@ -38,8 +38,14 @@ plain_bwd's delta kernel (delta = rowsum(dO * O)); their arguments are the tuned
 Shared memory (32-bit words; rows of 16-bit values padded by 8 values, as in flash_mma.py):
     dkdv: K (64, D + 8) | stage 0: Q (QB, D + 8), dO (QB, DV + 8) | stage 1: the same; V
           (64, DV + 8) lands in the stages first, and leaves for registers before they fill
+    dk:   as dkdv
+    dv:   as dkdv without V
     dq:   stage 0: K (32, D + 8), V (32, DV + 8) | stage 1: the same; Q (64, D + 8) and dO
           (64, DV + 8) land there first, and leave for registers
+    float32 (halves, dynamic shared memory): each tile's lo half right after its hi one, but
+          for the halves that stay while the hi ones leave for registers: V's lo half in
+          dkdv and dk, after K's two; Q's and dO's in dq, after the stages (and Q's hi half
+          again after them in the nonfinite variant, for scores_exact)
 QB = 32 query rows a step at head dims up to 64, 16 above: what fits 48 KB of static shared
 memory beside K.
 

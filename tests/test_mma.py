@@ -167,6 +167,28 @@ def test_mma_split_kv_defers_a_split_whose_rows_end_non_finite():
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on the GPU")
+def test_the_careful_variant_redoes_the_deferred_blocks_of_every_batch_and_head():
+    """The careful variant takes the grid in its own order (blockIdx: tile, batch * head),
+    not the fast one's: V holds NaN at key 2 in heads (0, 1) and (1, 2) of (B, H) = (2, 3),
+    which row 2 sees and rows 0 and 1 do not (causal from the top left). Those two blocks
+    are deferred and redone; the others are the fast variant's. Every row as the
+    reference's, NaN exactly in row 2 of those heads. (With batch and head decoded the other
+    way round in the careful variant it fails: checked once.)"""
+    import reference
+
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 3, 3, 16)).astype(np.float16)
+    k, v = (rng.standard_normal((2, 3, 40, 16)).astype(np.float16) for _ in range(2))
+    v[0, 1, 2, 5] = v[1, 2, 2, 5] = np.nan
+    out = mma_attention(q, k, v, causal="top_left", num_splits=1).astype(np.float32)
+    want = reference.attention(q, k, v, causal="top_left")
+    nan_rows = np.isnan(want).any(axis=-1)
+    assert nan_rows.sum() == 2 and nan_rows[0, 1, 2] and nan_rows[1, 2, 2]
+    assert np.array_equal(np.isnan(out).any(axis=-1), nan_rows), out
+    np.testing.assert_allclose(out[~nan_rows], want[~nan_rows], atol=2e-3)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on the GPU")
 @pytest.mark.parametrize("dtype,exponent", [("float16", 0x7C00), ("bfloat16", 0x7F80)])
 def test_the_pre_pass_flags_exactly_the_tiles_holding_nan_or_inf(dtype, exponent):
     """The backward's nonfinite_tiles over x (1, 2, 33, 8) as 16-bit patterns (33 rows: a tile
