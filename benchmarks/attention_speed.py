@@ -62,13 +62,17 @@ def time_ms(fn, target_s=0.3):
     return float(np.median(times)), reps
 
 
-def events_ms(fn, reps, repeats=7):
+def events_ms(fn, reps, repeats=7, before=None):
     """Median over `repeats` of the ms between CUDA events around `reps` calls of fn after a
-    synchronize, divided by reps (reps > 1: back to back)."""
+    synchronize, divided by reps (reps > 1: back to back). before: called after the
+    synchronize, ahead of the first event (work that keeps the GPU busy hides the host's
+    time from the events: scripts/dev/careful_cost.py)."""
     out = []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
+        if before is not None:
+            before()
         a.record()
         for _ in range(reps):
             fn()

@@ -9,32 +9,17 @@ careful launch. Medians over 7 repeats, ms a launch or call.
 import argparse
 import importlib
 import os
-import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "..")]
+from benchmarks.attention_speed import events_ms  # noqa: E402
 from call_timeline import careful_dropped, main_launches  # noqa: E402
 
 SHAPES = [(4, 16, 4096, 64, "top_left"), (4, 16, 4096, 64, False),
           (2, 16, 4096, 128, "top_left"), (4, 16, 8192, 64, "top_left")]
-
-
-def behind_busy(fn, reps, busy):
-    """Median ms of one fn() among `reps` queued behind busy(), over 7 repeats."""
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        busy()
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return statistics.median(times)
 
 
 def main():
@@ -55,9 +40,9 @@ def main():
             api = importlib.import_module(f"{name}.api")
             call = lambda: api.flash_attention(q, k, v, causal=causal)  # noqa: E731
             _, careful = main_launches(api, q, k, v, causal)
-            row = [behind_busy(careful, 10, busy), behind_busy(call, 1, busy)]
+            row = [events_ms(careful, 10, before=busy), events_ms(call, 1, before=busy)]
             with careful_dropped(api, True):
-                row.append(behind_busy(call, 1, busy))
+                row.append(events_ms(call, 1, before=busy))
             print(f"{str((b, h, n, d, causal)):30s} {name:16s} {row[0]:8.4f} {row[1]:8.3f} "
                   f"{row[2]:10.3f}", flush=True)
 

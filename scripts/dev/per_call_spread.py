@@ -20,12 +20,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from benchmarks.attention_speed import events_ms  # noqa: E402
 from numba_kernels import flash_attention  # noqa: E402
 
 
 def spread(fn, calls=200, busy=None):
     """(event ms p10, p50, p90, host ms p50, event ms p50 behind `busy`)."""
-    ev, host, hidden = [], [], []
+    ev, host = [], []
     for i in range(calls + 10):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
@@ -38,17 +39,8 @@ def spread(fn, calls=200, busy=None):
         if i >= 10:
             ev.append(a.elapsed_time(b))
             host.append(1e3 * (t1 - t0))
-    for i in range(50):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        busy()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        hidden.append(a.elapsed_time(b))
     p = np.percentile(ev, [10, 50, 90])
-    return (*p, float(np.median(host)), float(np.median(hidden)))
+    return (*p, float(np.median(host)), events_ms(fn, 1, 50, before=busy))
 
 
 def main():
