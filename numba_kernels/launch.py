@@ -16,9 +16,7 @@ list and launches it with the driver's cuLaunchKernel. NumPy, CuPy and Numba dev
 arrays, and every call in the simulator, take Numba's launch each time. What this needs of
 Numba's internals is in numba_internals.py, and only there.
 """
-import sys
 import time
-from contextlib import contextmanager
 
 from numba import cuda
 
@@ -75,32 +73,12 @@ def launch(kernel, key, blocks, threads, stream, *args, shared=0):
 def _numba_launch(kernel, key, blocks, threads, stream, shared, args):
     versions = len(getattr(kernel, "overloads", ()))  # the simulator compiles nothing
     t0 = time.perf_counter()
-    with compiling(kernel), _switching():  # compiling: the only process compiling the variant
+    with compiling(kernel):  # compiling: the only process compiling the variant
         if shared > STATIC_SHARED_LIMIT and not SIMULATOR:
             numba_internals.allow_dynamic_shared(kernel, args, shared)  # compiles it first
         kernel[blocks, threads, stream, shared](*args)
     if len(getattr(kernel, "overloads", ())) > versions:
         COMPILE_SECONDS[key] = COMPILE_SECONDS.get(key, 0.0) + time.perf_counter() - t0
-
-
-@contextmanager
-def _switching():
-    """In the simulator, Python switches threads every 0.5 ms instead of 5 ms while a kernel
-    runs: its threads hand over at every barrier (and, in warp.py, at every warp-level
-    instruction), and the simulator's own loop polls them holding the interpreter for a whole
-    interval. The mma kernel of 17 x 40 keys: 10.9 s at 5 ms, 4.6 s at 0.5 ms."""
-    if not SIMULATOR:
-        yield
-        return
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, SIMULATOR_SWITCH_S))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(interval)
-
-
-SIMULATOR_SWITCH_S = 5e-4
 
 
 def _handle(stream):

@@ -1,0 +1,90 @@
+"""The simulator's thread blocks, as numba_internals item 6 runs them: a block's barrier lets
+its threads go only when every live one has arrived, a thread that exits no longer counts,
+and an exception in one thread is raised by the launch without leaving it waiting. Driven
+through numba-cuda's own BlockManager with plain Python functions as the threads' code."""
+import threading
+import time
+
+import pytest
+
+from numba_kernels import numba_internals
+from numba_kernels.convert import SIMULATOR
+
+sim = pytest.importorskip("numba.cuda.simulator.kernel")
+
+
+def run_block(code, threads, timeout_s=20.0):
+    """Run `code(tid)` on a block of `threads` threads in another thread; returns what the
+    launch raised, or None. Fails if the block has not ended within timeout_s."""
+    def f():
+        code(threading.current_thread().thread_id)
+
+    outcome = {}
+
+    def launch():
+        try:
+            sim.BlockManager(f, (1, 1, 1), (threads, 1, 1), False).run((0, 0, 0))
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            outcome["raised"] = e
+
+    launcher = threading.Thread(target=launch, daemon=True)
+    launcher.start()
+    launcher.join(timeout_s)
+    assert not launcher.is_alive(), "the block did not end"
+    return outcome.get("raised")
+
+
+def sync():
+    threading.current_thread().syncthreads()
+
+
+def test_no_thread_passes_a_barrier_before_every_thread_reaches_it():
+    log = []
+
+    def code(tid):
+        for step in range(3):
+            time.sleep(0.001 * (tid % 4))  # the later threads arrive later
+            log.append((step, tid))
+            sync()
+
+    assert run_block(code, 16) is None
+    assert [step for step, _ in log] == sorted(step for step, _ in log)
+    assert len(log) == 48
+
+
+def test_a_thread_that_exits_no_longer_holds_the_others_at_a_barrier():
+    seen = []
+
+    def code(tid):
+        if tid % 2:
+            return  # before any barrier, while the others wait at the first
+        sync()
+        sync()
+        seen.append(tid)
+
+    assert run_block(code, 8) is None
+    assert sorted(seen) == [0, 2, 4, 6]
+
+
+def test_an_exception_in_one_thread_is_raised_and_frees_the_others():
+    def code(tid):
+        if tid == 3:
+            time.sleep(0.01)  # the others are waiting at the barrier by then
+            raise ValueError("thread 3 fails")
+        sync()
+        sync()
+
+    raised = run_block(code, 8)
+    assert isinstance(raised, ValueError) and "thread 3 fails" in str(raised), raised
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the replacement is installed in the simulator only")
+def test_the_replacement_is_installed_and_refuses_a_changed_block_manager(monkeypatch):
+    assert getattr(sim.BlockManager.run, "event_driven", False)
+
+    def run(self, grid_point, *args):  # a block manager that is not numba-cuda 0.30's
+        pass
+
+    monkeypatch.setattr(sim.BlockManager, "run", run)
+    with pytest.raises(numba_internals.InternalsChanged, match="BlockManager.run"):
+        numba_internals._event_driven_simulator_blocks()
