@@ -221,6 +221,65 @@ def make_load_q(copy_q, copy_kv, load_q_fragments, STAGE):
     return load_q
 
 
+def make_this_block(CAREFUL):
+    @kernel_part
+    def this_block(heads_q, batch, right):
+        """(b, h, tile, split, ob): the batch, head, query tile and key split of this thread
+        block, and out's batch index (split s of b at s * B + b). The fast variant takes the
+        last query tile first (rank 0: under a causal band it walks the most keys), then rank
+        by rank across a group of heads (flash_fwd.grouped_order); the careful one, of which
+        few blocks do work, the grid's own order."""
+        if CAREFUL:
+            bh, tile = int64(cuda.blockIdx.y), int64(cuda.blockIdx.x)
+        else:
+            bh, rank = grid_order_grouped(right >= 0)
+            tile = cuda.gridDim.x - 1 - rank
+        split = cuda.blockIdx.z  # split-KV: this block's keys split * split_len .. + split_len
+        b = bh // heads_q
+        return b, bh % heads_q, tile, split, split * batch + b
+
+    return this_block
+
+
+@kernel_part
+def head_bases(b, h, hk, heads_q, k, n_q, d, dv):
+    """The flat offsets of query head h's Q and of key head hk's K and V in batch b."""
+    heads_k, n_k = k.shape[1], k.shape[2]
+    return ((int64(b) * heads_q + h) * n_q * d, (int64(b) * heads_k + hk) * n_k * d,
+            (int64(b) * heads_k + hk) * n_k * dv)
+
+
+def make_next_tile(copy_kv, STAGE):
+    @kernel_part
+    def next_tile(words, k, v, k_base, v_base, start_n, last, d, dv, stage):
+        """Wait until the key tile from start_n has landed in `stage` for every warp, then
+        begin copying the next one into the other stage (the forward's and dQ's loops)."""
+        warp.cp_async_wait(0)  # this thread's copies of this tile have landed
+        # Barrier: every thread's copies of this tile have landed, and every warp is done
+        # with the other stage (the previous tile, or the forward's Q), which the next copy
+        # overwrites.
+        cuda.syncthreads()
+        if start_n + BLOCK_N < last:
+            copy_kv(words, (1 - stage) * STAGE, k, v, k_base, v_base, start_n + BLOCK_N,
+                    last, d, dv)
+            warp.cp_async_commit()
+
+    return next_tile
+
+
+def make_add_pv(pv, pv_seen_pairs):
+    @kernel_part
+    def add_pv(words, at, s, acc, lane, nonfinite_v):
+        """acc += P V for the V tile at word `at`: pv, or pv_seen_pairs where the tile holds
+        a NaN or an inf (the careful variant's slow path)."""
+        if nonfinite_v:
+            pv_seen_pairs(words, at, s, s, acc, lane)
+        else:
+            pv(words, at, s, acc, lane)
+
+    return add_pv
+
+
 def make_init_rows(VB):
     @kernel_part
     def init_rows(m_i, l_i, acc, lo, hi, row0, n_q, kv_len, left, right, bottom_right):
@@ -487,6 +546,15 @@ def tiles_flagged(flags_a, flags_b, b, h_first, heads, first_row, last_row, tid,
     return cuda.syncthreads_or(bad) != 0
 
 
+@kernel_part
+def hand_over(deferred, ob, h, tile, redo, tid):
+    """The fast variant's verdict on its block: thread 0 writes deferred[ob, h, tile] = redo
+    (1: the careful variant does the block again); returns whether it does."""
+    if tid == 0:
+        deferred[ob, h, tile] = 1 if redo else 0
+    return redo != 0
+
+
 def make_q_scores(scores, exact, Q_HI_AT):
     """S = Q K^T: scores (Q's fragments in registers), or where the call says `slow` (a tile
     pair holding a NaN or an inf) halves.scores_exact from Q's tiles at Q_HI_AT (hi) and
@@ -595,6 +663,7 @@ def kernel_source(spec):
         copy_kv, copy_q, scores, pv, pv_seen_pairs = _parts16(spec)
         P_FACTOR, P_BACK = ONE, None
     load_q = make_load_q(copy_q, copy_kv, make_load_q_fragments(D, K_ROW), STAGE)
+    this_block, next_tile = make_this_block(CAREFUL), make_next_tile(copy_kv, STAGE)
     init_rows = make_init_rows(VB)
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
                                          spec.has_mask)
@@ -602,7 +671,7 @@ def kernel_source(spec):
     forward_factors, scale_p = make_forward_factors(HALVES, P_FACTOR)
     tile_nonfinite = make_tile_nonfinite(DV, lay["v_row"],
                                          EXPONENT_BITS["float16" if HALVES else spec.dtype])
-    acc_finite = make_acc_finite(VB)
+    acc_finite, add_pv = make_acc_finite(VB), make_add_pv(pv, pv_seen_pairs)
     store_out = make_store_out(DV, CONVERTERS["float32" if spec.partial else spec.dtype][1],
                                P_BACK)
 
@@ -620,22 +689,11 @@ def kernel_source(spec):
 
         tid = cuda.threadIdx.x
         w, lane = tid // 32, tid % 32
-        if CAREFUL:  # the grid's own order: few of its blocks do work
-            bh, tile = int64(cuda.blockIdx.y), int64(cuda.blockIdx.x)
-        else:  # the last query tile first (rank 0): under a causal band it walks the most
-            # keys; then rank by rank across a group of heads (flash_fwd.grouped_order)
-            bh, rank = grid_order_grouped(right >= 0)
-            tile = cuda.gridDim.x - 1 - rank
-        b, h = bh // heads_q, bh % heads_q
-        split = cuda.blockIdx.z  # split-KV: this block's keys split * split_len .. + split_len
-        ob = split * kv_lengths.shape[0] + b  # out's batch index (split s of b at s * B + b)
+        b, h, tile, split, ob = this_block(heads_q, kv_lengths.shape[0], right)
         if CAREFUL and deferred[ob, h, tile] == 0:
             return  # first thing: the fast variant did this block (most often every one)
         hk = h // group  # grouped-query attention: query head h reads key head h // group
-        heads_k, n_k = k.shape[1], k.shape[2]
-        q_base = (int64(b) * heads_q + h) * n_q * d  # flat offsets of the head's matrices
-        k_base = (int64(b) * heads_k + hk) * n_k * d
-        v_base = (int64(b) * heads_k + hk) * n_k * dv
+        q_base, k_base, v_base = head_bases(b, h, hk, heads_q, k, n_q, d, dv)
         start_m = tile * BLOCK_M
         whole_rows = start_m + BLOCK_M <= n_q  # every row of the tile exists
         row0 = start_m + w * 16 + lane // 4  # the lane's rows: row0 and row0 + 8
@@ -655,14 +713,7 @@ def kernel_source(spec):
                q_frag, lane, w)
         stage = 0
         for start_n in range(first, last, BLOCK_N):
-            warp.cp_async_wait(0)  # this thread's copies of this tile have landed
-            # Barrier: every thread's copies of this tile have landed, and every warp is done
-            # with the other stage (the last tile, or Q), which the next copy overwrites.
-            cuda.syncthreads()
-            if start_n + BLOCK_N < last:  # the next tile, into the other stage
-                copy_kv(words, (1 - stage) * STAGE, k, v, k_base, v_base, start_n + BLOCK_N,
-                        last, d, dv)
-                warp.cp_async_commit()
+            next_tile(words, k, v, k_base, v_base, start_n, last, d, dv, stage)
             at = stage * STAGE
             scores(words, at, q_frag, s, lane, w,  # S = Q K^T
                    EXACT and (q_bad or k_flags[b, hk, start_n // FLAG_ROWS] != 0))
@@ -673,17 +724,13 @@ def kernel_source(spec):
             nonfinite_v = CAREFUL and tile_nonfinite(words, at + K_TILE)
             online_softmax(s, m_i, l_i, acc, nonfinite_v)
             scale_p(s)
-            if nonfinite_v:
-                pv_seen_pairs(words, at + K_TILE, s, s, acc, lane)
-            else:
-                pv(words, at + K_TILE, s, acc, lane)
+            add_pv(words, at + K_TILE, s, acc, lane, nonfinite_v)
             stage = 1 - stage
-        if not CAREFUL:  # a row that ended non-finite: the careful variant does the block
-            redo = cuda.syncthreads_or(0 if acc_finite(acc) else 1)  # (an int: it takes one)
-            if tid == 0:
-                deferred[ob, h, tile] = redo
-            if redo:
-                return
+        # a row that ended non-finite: the careful variant does the block (syncthreads_or
+        # takes an int)
+        if not CAREFUL and hand_over(deferred, ob, h, tile,
+                                     cuda.syncthreads_or(0 if acc_finite(acc) else 1), tid):
+            return
         store_out(out, lse, m_i, l_i, acc, ob, h, row0, n_q, dv, out_factor, lane)
 
     return check_parameters(flash_mma, MMA_ARG_NAMES)

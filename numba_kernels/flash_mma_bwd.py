@@ -74,9 +74,9 @@ from .flash_fwd import (F_LOG2E, FASTMATH, NEG_INF, NO_PART, ZERO, check_paramet
 from .flash_mma import (BLOCK_N as KEY_TILE, EXPONENT_BITS, FACTORS, FLAG_ROWS, MMA_DTYPES,
                         MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, THREADS, WARPS, halves_ship,
                         make_copy_kv, make_copy_tile, make_load_q_fragments, make_mma_pair,
-                        make_pv, make_pv_seen_pairs, make_q_scores, make_scale_and_mask,
-                        make_scores, make_unpacked, own_flagged, tiles_flagged,
-                        word_nonfinite)
+                        make_next_tile, make_pv, make_pv_seen_pairs, make_q_scores,
+                        make_scale_and_mask, make_scores, make_unpacked, own_flagged,
+                        tiles_flagged, word_nonfinite)
 from .plain_bwd import DKDV_ARGS, DQ_ARGS
 
 
@@ -290,6 +290,48 @@ def row_stats(lse_in, delta, b, h, row, n_q, ok, delta_factor):
     return ZERO, ZERO
 
 
+@kernel_part
+def init_dq_rows(lse_r, delta_r, lo, hi, lse_in, delta, b, h, row0, n_q, kv_len, left, right,
+                 bottom_right, delta_factor):
+    """For the lane's rows row0 and row0 + 8: lse (log2 units) and delta * delta_factor
+    (row_stats' values, as selects: zeros past n_q), and the keys lo <= j < hi each sees."""
+    for half in range(2):
+        row = row0 + 8 * half
+        ok = row < n_q
+        lse_r[half] = lse_in[b, h, row] * F_LOG2E if ok else ZERO
+        delta_r[half] = delta[b, h, row] * delta_factor if ok else ZERO
+        lo[half], hi[half] = key_range_device(row, n_q, kv_len, left, right, bottom_right)
+
+
+def make_add_dq(dq_product, dq_seen_pairs, NONFINITE):
+    @kernel_part
+    def add_dq(words, at, s, dp, dq_acc, lane, k_bad):
+        """dQ += dS K for the K tile at word `at`; in the nonfinite variant, where that tile
+        holds a NaN or an inf (k_bad), only the pairs taking part."""
+        if not NONFINITE or not k_bad:
+            dq_product(words, at, dp, dq_acc, lane)
+        else:
+            dq_seen_pairs(words, at, s, dp, dq_acc, lane)
+
+    return add_dq
+
+
+def make_query_tiles(QB):
+    @kernel_part
+    def query_tiles(start_n, n_q, kv_len, left, right, bottom_right):
+        """(first_q, tiles): the query tiles of QB rows from row first_q that hold every row
+        seeing a key of the block start_n .. + BLOCK (rows_seeing); none where the block
+        starts past kv_len."""
+        begin, end = rows_seeing(start_n, min(start_n + BLOCK, kv_len), n_q, kv_len, left,
+                                 right, bottom_right)
+        first_q = begin // QB * QB
+        if end > begin and start_n < kv_len:
+            return first_q, (end - first_q + QB - 1) // QB
+        return first_q, int64(0)
+
+    return query_tiles
+
+
 def make_kv_probabilities(NB, masked_score, HAS_MASK, P_FACTOR, DS_FACTOR):
     @kernel_part
     def probabilities(s, dp, stats, stage, qk_scale, mask, bias, mask_steps, bias_steps, b,
@@ -376,6 +418,16 @@ def make_copy_query_tile(copy_q, copy_do, DO_AT):
         warp.cp_async_commit()
 
     return copy_query_tile
+
+
+@kernel_part
+def next_query_tile(h, start_q, first_q, tiles, QB):
+    """The query tile after (h, start_q) in the dK, dV loop: a head's tiles first_q .. in
+    order (`tiles` of QB rows), then the next head's."""
+    start_q += QB
+    if start_q >= first_q + tiles * QB:
+        h, start_q = h + 1, first_q
+    return h, start_q
 
 
 def make_interior(QB):
@@ -555,7 +607,8 @@ def dkdv_kernel_source(spec):
             make_pv_seen_pairs(DV, V_ROW, make_unpacked(unpack), QB),
             make_pv_seen_pairs(D, K_ROW, make_unpacked(unpack), QB),
             DO_AT, NONFINITE, DK, DV_)
-    copy_query_tile, interior = make_copy_query_tile(copy_q, copy_do, DO_AT), make_interior(QB)
+    copy_query_tile = make_copy_query_tile(copy_q, copy_do, DO_AT)
+    interior, query_tiles = make_interior(QB), make_query_tiles(QB)
     load_kv_block = make_load_kv_block(copy_k, copy_v, load_v_fragments, STAGES_AT, DK)
     store = CONVERTERS[spec.dtype][1]
     store_dk, store_dv = make_store_rows(D, store), make_store_rows(DV, store)
@@ -583,16 +636,14 @@ def dkdv_kernel_source(spec):
         start_n = tile * BLOCK
         key0 = start_n + w * 16 + lane // 4  # the lane's keys: key0 and key0 + 8
         kv_len = int64(kv_lengths[b])
-        zero(dk_acc)
-        zero(dv_acc)
-        if not DK:
-            zero(dp)  # dS^T: never made, never read (no garbage for the simulator's numpy)
+        if DK:
+            zero(dk_acc)
+        else:  # the dV kernel's dP^T: never made, never read (no garbage in the simulator)
+            zero(dp)
+        if DV_:
+            zero(dv_acc)
         qk, delta_factor, dk_factor, dv_factor, _ = call_factors(factors, qk_scale, scale)
-        last_key = min(start_n + BLOCK, kv_len)
-        begin, end = rows_seeing(start_n, last_key, n_q, kv_len, left, right, bottom_right)
-        first_q = begin // QB * QB
-        tiles = (end - first_q + QB - 1) // QB if end > begin and start_n < kv_len \
-            else int64(0)
+        first_q, tiles = query_tiles(start_n, n_q, kv_len, left, right, bottom_right)
         keys_bad = spec_halves and own_flagged(k_flags, b, hk, start_n)  # scores_exact's
         if NONFINITE:
             if deferred[b, hk, tile] == 0:
@@ -613,9 +664,7 @@ def dkdv_kernel_source(spec):
             stage = 0
             for _ in range(group * tiles):  # the group's heads in order, their tiles in order
                 h, start_q = h_next, q_next
-                q_next += QB
-                if q_next >= first_q + tiles * QB:
-                    h_next, q_next = h_next + 1, first_q
+                h_next, q_next = next_query_tile(h, start_q, first_q, tiles, QB)
                 warp.cp_async_wait(0)  # this thread's copies of this tile have landed
                 # Barrier: every thread's copies of this tile (and its statistics) have landed,
                 # and every warp is done with the other stage, which the next copy overwrites.
@@ -686,6 +735,8 @@ def dq_kernel_source(spec):
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
                                          spec.has_mask)
     q_probabilities = make_q_probabilities(NB, DS_FACTOR)
+    add_dq, next_tile = (make_add_dq(dq_product, dq_seen_pairs, NONFINITE),
+                         make_next_tile(copy_kv, STAGE))
     store_dq = make_store_rows(D, CONVERTERS[spec.dtype][1])
 
     def mma_dq(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, k_flags, q_flags,
@@ -716,12 +767,8 @@ def dq_kernel_source(spec):
         whole_rows = start_m + BLOCK <= n_q
         zero(dq_acc)
         qk, delta_factor, _, _, dq_factor = call_factors(factors, qk_scale, scale)
-        for half in range(2):
-            row = row0 + 8 * half
-            ok = row < n_q  # row_stats' values (written as selects here)
-            lse_r[half] = lse_in[b, h, row] * F_LOG2E if ok else ZERO
-            delta_r[half] = delta[b, h, row] * delta_factor if ok else ZERO
-            lo[half], hi[half] = key_range_device(row, n_q, kv_len, left, right, bottom_right)
+        init_dq_rows(lse_r, delta_r, lo, hi, lse_in, delta, b, h, row0, n_q, kv_len, left,
+                     right, bottom_right, delta_factor)
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK, n_q) - 1, n_q, kv_len, left, right, bottom_right, 0,
             n_k, KEY_TILE)
@@ -740,14 +787,7 @@ def dq_kernel_source(spec):
             warp.cp_async_commit()
         stage = 0
         for start_n in range(first, last, KEY_TILE):
-            warp.cp_async_wait(0)  # this thread's copies of this tile have landed
-            # Barrier: every thread's copies of this tile have landed, and every warp is done
-            # with the other stage, which the next copy overwrites.
-            cuda.syncthreads()
-            if start_n + KEY_TILE < last:  # the next tile, into the other stage
-                copy_kv(words, (1 - stage) * STAGE, k, v, k_at * d, k_at * d_v,
-                        start_n + KEY_TILE, last, d, d_v)
-                warp.cp_async_commit()
+            next_tile(words, k, v, k_at * d, k_at * d_v, start_n, last, d, d_v, stage)
             at = stage * STAGE
             scores_s(words, at, q_frag, s, lane, w,  # S = Q K^T
                      EXACT and (rows_bad or k_flags[b, hk, start_n // FLAG_ROWS] != 0))
@@ -756,10 +796,8 @@ def dq_kernel_source(spec):
             scale_and_mask(s, qk, mask, bias, mask_steps, bias_steps, b, h, row0,
                            start_n, lo, hi, interior, whole_rows, n_q, lane)
             q_probabilities(s, dp, lse_r, delta_r)
-            if not NONFINITE or k_flags[b, hk, start_n // FLAG_ROWS] == 0:
-                dq_product(words, at, dp, dq_acc, lane)  # dQ += dS K
-            else:  # a NaN or an inf in this K tile: only the pairs taking part
-                dq_seen_pairs(words, at, s, dp, dq_acc, lane)
+            add_dq(words, at, s, dp, dq_acc, lane,  # dQ += dS K
+                   NONFINITE and k_flags[b, hk, start_n // FLAG_ROWS] != 0)
             stage = 1 - stage
         store_dq(dq, dq_acc, b, h, row0, n_q, d, dq_factor, lane)
 
