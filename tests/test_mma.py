@@ -15,7 +15,7 @@ from verify.cases import Case, battery
 from verify.runner import run_case
 
 # (case, dtype): together every feature the adapter claims, both dtypes, a V tile holding NaN
-# (the slow path) and a partial key tile
+# (the slow path), a partial key tile and a causal diagonal of two key tiles
 CASES = [
     ("causal top_left 29x31", "float16"),
     ("mask per head + GQA", "bfloat16"),
@@ -23,7 +23,8 @@ CASES = [
     ("v:nan in keys some rows see (window=(3, 2))", "bfloat16"),
     ("Dv != D", "float16"),
     ("bias per head (B, Hq, Nq, Nk)", "bfloat16"),
-]
+    ("ties", "float16"),  # causal over a whole query tile: its first warps see no key of
+]                         # the second key tile, the last ones part of it
 
 
 # 64 query rows, one whole tile: its first key tile is interior (scaled, not masked), the
