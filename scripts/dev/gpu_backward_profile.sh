@@ -18,7 +18,7 @@ for dtype in ${BWD_DTYPES:-float32 bfloat16}; do
 done
 for impl in numba numba-tuned-backward; do
   start=$(date +%s)
-  timeout -s INT -k 20 ${GRAD_TIMEOUT:-240} python3 -m pytest conformance --impl $impl --backward \
+  timeout -s INT -k 20 ${GRAD_TIMEOUT:-240} python3 -m pytest -p conformance.plugin conformance --impl $impl --backward \
     -k gradient -p no:cacheprovider -W ignore -rfs -q > "$OUT/conformance-grad-$impl.log" 2>&1
   echo "pytest conformance --backward -k gradient ($impl): rc=$? in $(( $(date +%s) - start )) s"
   tail -3 "$OUT/conformance-grad-$impl.log"

@@ -36,7 +36,7 @@ elif [[ "$PART" == verify ]]; then
   echo "backward_speed rc=$? in $(( $(date +%s) - start )) s"; grep -v Warn "$OUT/backward_speed.log"
 elif [[ "$PART" == conformance ]]; then
   start=$(date +%s)
-  timeout -s INT -k 20 ${GRAD_TIMEOUT:-300} python3 -m pytest conformance --impl numba-mma \
+  timeout -s INT -k 20 ${GRAD_TIMEOUT:-300} python3 -m pytest -p conformance.plugin conformance --impl numba-mma \
     --backward -k gradient -p no:cacheprovider -W ignore -rfs -q --durations=5 \
     > "$OUT/conformance-grad-mma.log" 2>&1
   echo "pytest conformance --impl numba-mma --backward -k gradient: rc=$? in $(( $(date +%s) - start )) s"

@@ -20,7 +20,7 @@ timeout 240 python3 -W ignore benchmarks/attention_speed.py --out "$OUT" --n 409
   --budget-s ${BENCH_BUDGET:-120} > "$OUT/attention_speed.log" 2>&1
 echo "attention_speed rc=$? in $(( $(date +%s) - start )) s"; tail -40 "$OUT/attention_speed.log"
 (start=$(date +%s)
- timeout -s INT -k 20 ${GRAD_TIMEOUT:-200} python3 -m pytest conformance \
+ timeout -s INT -k 20 ${GRAD_TIMEOUT:-200} python3 -m pytest -p conformance.plugin conformance \
    --impl numba-tuned-backward --backward -k gradient -p no:cacheprovider -W ignore -rfs -q \
    > "$OUT/conformance-grad-tuned.log" 2>&1
  echo "conformance gradients (tuned): rc=$? in $(( $(date +%s) - start )) s" \
