@@ -57,7 +57,8 @@ def test_a_thread_that_exits_no_longer_holds_the_others_at_a_barrier():
 
     def code(tid):
         if tid % 2:
-            return  # before any barrier, while the others wait at the first
+            time.sleep(0.02)  # the others are waiting at the first barrier by then
+            return  # before any barrier: only its exit can let them go
         sync()
         sync()
         seen.append(tid)
