@@ -18,6 +18,11 @@ MAX_SCORES = 2**26  # B * Hq * Nq * Nk per example, so the float64 truth stays q
 # 4.4 s an example at 2**26 scores, 1.0 s at 2**24 (D = 64, a 2-core CPU). Nq and Nk still
 # reach 4096.
 GRAD_MAX_SCORES = 2**24
+# the values drawn (verify.cases.VALUES): ordinary ones, and those of real models (heads,
+# rows and keys far apart in magnitude, outlier channels, heavy tails, each dtype's limits)
+ORDINARY_VALUES = ("normal", "large", "tiny", "ties")
+MODEL_VALUES = ("heads-held", "heads-free", "rows", "keys", "outliers", "heavy-tails",
+                "score-limit", "value-limit", "subnormal")
 MAX_OUTPUT = 2**22  # B * Hq * Nq * max(D, Dv): the comparison runs on the host
 
 
@@ -39,10 +44,14 @@ def cases(draw, impl, limits, *, values=None, mask=None, causal=None, kv_lengths
         return draw(fixed, label=label) if isinstance(fixed, st.SearchStrategy) else fixed
 
     dtype = draw(st.sampled_from(s.dtypes), label="dtype")
-    Nq = pick(nq, lengths(limits["max_n"], "Nq"), "Nq")
-    Nk = pick(nk, lengths(limits["max_n"], "Nk"), "Nk")
+    m = s.length_multiple  # lengths it takes: multiples of m, equal ones where claimed so
+    Nq = -(-pick(nq, lengths(limits["max_n"], "Nq"), "Nq") // m) * m
+    Nk = Nq if s.equal_lengths else -(-pick(nk, lengths(limits["max_n"], "Nk"), "Nk") // m) * m
     d_max = min(limits["max_d"], s.max_head_dim)
-    dims = [d for d in HEAD_DIMS if d <= d_max and d % s.head_dim_multiple == 0]
+    dims = [d for d in HEAD_DIMS if d <= d_max and d % s.head_dim_multiple == 0
+            and (s.head_dims is None or d in s.head_dims)]
+    if not dims:
+        reject()
     D = draw(st.sampled_from(dims), label="D")
     Dv = draw(st.sampled_from([D] + ([d for d in dims if d != D] if s.dv_differs else [])),
               label="Dv")
@@ -63,7 +72,7 @@ def cases(draw, impl, limits, *, values=None, mask=None, causal=None, kv_lengths
               else st.none(), "kv_lengths")
     if (window is not None and not s.window) or (mask and not s.mask) or (kv and not s.kv_lengths):
         reject()
-    vals = pick(values, st.sampled_from(("normal", "large", "tiny", "ties")), "values")
+    vals = pick(values, st.sampled_from(ORDINARY_VALUES), "values")
     case = Case("hypothesis", B, Hq, Hk, Nq, Nk, D, Dv, dtype, causal, window, mask, kv, vals)
     if not s.claims(case)[0]:  # a property calls the implementation on what it draws
         reject()

@@ -20,8 +20,8 @@ def cases(impl, limits, **fields):
 
 
 def test_gradient_error_within_bound(grad_impl, limits):
-    @given(case=cases(grad_impl, limits, values=st.sampled_from(("normal", "large", "tiny"))),
-           seed=seeds())
+    @given(case=cases(grad_impl, limits, values=st.sampled_from(
+           ("normal", "large", "tiny", "heads-held", "keys", "outliers"))), seed=seeds())
     def prop(case, seed):
         assert_holds("gradient error bound", grad_impl, _backward(case), seed)
 

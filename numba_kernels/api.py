@@ -4,6 +4,8 @@ Takes NumPy arrays (copied to the device and back), PyTorch CUDA tensors, CuPy a
 device arrays (used in place through their strides, launched on the caller's current stream),
 and returns the caller's array type. Outputs are fresh arrays; inputs are never written.
 """
+from typing import NamedTuple
+
 import numpy as np
 from numba import cuda
 
@@ -28,7 +30,7 @@ NO_DEVICE = ("no CUDA GPU is available. To run the kernel on the CPU, set the en
 
 def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
                     kv_lengths=None, window=None, return_lse=False, num_splits=None, spec=None,
-                    kernel="auto"):
+                    kernel="auto", precision=None):
     """FlashAttention-2 forward on the GPU (or the CUDA simulator), per docs/contract.md;
     differentiable for torch tensors (autograd.py: gradients from the backward kernels, one
     opaque operator under torch.compile).
@@ -49,13 +51,22 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     (split_kv.py); None chooses: splits only when the query tiles alone leave the GPU's SMs
     idle (decoding). spec: a KernelSpec that forces one variant of the SIMT kernel (for
     benchmarks); by default specs.choose_spec picks it. kernel: "auto" (the default: the
-    tensor-core kernel where it applies, float32 from 64 query rows without a mask or bias
-    (float32_why_not), else the SIMT one), "simt" (flash_fwd.py, every dtype and head dims up
-    to 256) or "mma" (flash_mma.py: float16 and bfloat16, and float32 as two float16 halves a
-    value (halves.py), 2.9-3.3 times faster than "simt" in float32 at N >= 4096 on an H200,
-    whose scores flash_attention_backward recomputes bit for bit with the same kernel=; head
-    dims multiples of 8 up to 128, float32 with a mask or bias up to 64; a ValueError says
-    why where it does not apply); kernel_plan tells which one a call gets, and why.
+    tensor-core kernel where it applies: 16-bit inputs, and float32 at precision "high" from
+    64 query rows without a mask or bias (float32_why_not); else the SIMT one), "simt"
+    (flash_fwd.py, every dtype and head dims up to 256) or "mma" (flash_mma.py: float16 and
+    bfloat16, and float32 as two float16 halves a value (halves.py: products of about 22
+    bits, precision "high"), whose scores flash_attention_backward recomputes bit for bit
+    with the same kernel=; head dims multiples of 8 up to 128, float32 with a mask or bias
+    up to 64; a ValueError says why where it does not apply); kernel_plan tells which one a
+    call gets, why, and at which precision.
+    precision: what float32 inputs may run at, PyTorch's names: "highest", full float32 (the
+    SIMT kernels), or "high", products of about 22 bits allowed (the tensor cores' float16
+    halves, about three times faster at N >= 4096 on an H200). None (the default) takes
+    torch.get_float32_matmul_precision() for torch tensors ("high" and "medium" give "high";
+    its default is "highest") and "highest" for any other array. 16-bit inputs run at their
+    own precision either way. "high" never trades the range: a (batch, head) whose values lie
+    more than 2^16 below its tensor's largest runs the SIMT kernel (halves_range_why_not;
+    kernel="mma" raises instead). The gradients through autograd follow the forward's choice.
     """
     if type(q).__module__.startswith("torch") and spec is None:
         from . import autograd
@@ -64,22 +75,57 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
             return autograd.attention(q, k, v, scale=scale, causal=causal, mask=mask,
                                       bias=bias, kv_lengths=kv_lengths, window=window,
                                       return_lse=return_lse, num_splits=num_splits,
-                                      kernel=kernel)
+                                      kernel=kernel, precision=precision)
     return forward(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                    kv_lengths=kv_lengths, window=window, return_lse=return_lse,
-                   num_splits=num_splits, spec=spec, kernel=kernel)
+                   num_splits=num_splits, spec=spec, kernel=kernel, precision=precision)
 
 
 KERNELS = ("simt", "mma", "auto")
+PRECISIONS = ("highest", "high")  # PyTorch's float32 matmul precisions ("medium" as "high")
 FLOAT32_MIN_ROWS = 64  # "auto": float32 with fewer query rows (decoding) stays on SIMT
 
 
-def float32_why_not(pb, has_mask):
+class Plan(NamedTuple):
+    """What a call runs: the forward kernel ("simt" or "mma"), why, and the precision of its
+    float32 arithmetic ("highest": full float32; "high": float16 halves)."""
+    kernel: str
+    why: str
+    precision: str
+
+
+def resolve_precision(precision, q, kernel="auto", dtype=None):
+    """The precision a call runs float32 at (PRECISIONS): precision as given, or for None,
+    PyTorch's float32 matmul precision where q is a torch tensor, else "highest". Raises
+    ValueError for a name not in PRECISIONS, and for kernel="mma" on float32 (float16 halves)
+    with precision="highest" asked for by name."""
+    if precision is None:
+        if not type(q).__module__.startswith("torch"):
+            return "highest"
+        from .autograd import float32_matmul_precision
+
+        return "highest" if float32_matmul_precision() == "highest" else "high"
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, or None (PyTorch's float32 "
+                         f"matmul precision for torch tensors, else 'highest'), got "
+                         f"{precision!r}")
+    if precision == "highest" and kernel == "mma" and (dtype or str(q.dtype)).endswith(
+            "float32"):
+        raise ValueError("kernel='mma' runs float32 as float16 halves (products of about 22 "
+                         "bits: precision 'high'); precision='highest' asks for full float32: "
+                         "use kernel='auto' or 'simt'")
+    return precision
+
+
+def float32_why_not(pb, has_mask, precision="highest"):
     """Why "auto" leaves float32 problem pb to the SIMT kernels, forward and backward alike,
-    or None: the tensor cores take float32 as float16 halves (halves.py) where verify's
-    numba-mma-backward certifies the pair, without a mask or bias, and where a query tile
-    is full: with one query row the halves' pre-pass, which reads k and v once more, made
-    decoding twice as slow on the H200 (PERF.md)."""
+    or None: the tensor cores take float32 as float16 halves (halves.py) at precision "high"
+    only, where verify's numba-mma-backward certifies the pair, without a mask or bias, and
+    where a query tile is full: with one query row the halves' pre-pass, which reads k and v
+    once more, made decoding twice as slow on the H200 (PERF.md)."""
+    if precision == "highest":
+        return ("float32 at precision 'highest' (the default) is full float32; the tensor "
+                "cores' float16 halves (products of about 22 bits) run at precision='high'")
     if has_mask:
         return ("float32 with a mask or bias takes the tensor cores only when asked, "
                 "kernel='mma' (verify's numba-mma-backward does not certify it)")
@@ -91,18 +137,21 @@ def float32_why_not(pb, has_mask):
 
 
 def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
-                window=None, num_splits=None, spec=None, kernel="auto"):
-    """(kernel, why): which forward kernel flash_attention runs for these arguments, "simt"
-    (flash_fwd.py) or "mma" (flash_mma.py), and why. kernel="auto" takes the tensor-core
-    kernel where it applies (flash_mma.mma_plan: head dims multiples of 8 up to 128; no
-    spec of the SIMT kernel given) for float16, bfloat16 and float32 (float32_why_not: not
-    with a mask or bias, nor for decoding) and says why not where it falls back; "mma" raises
-    ValueError with that reason instead. num_splits is taken as flash_attention takes it;
-    both kernels split the keys, so it does not decide."""
+                window=None, num_splits=None, spec=None, kernel="auto", precision=None):
+    """Plan(kernel, why, precision): which forward kernel flash_attention runs for these
+    arguments, "simt" (flash_fwd.py) or "mma" (flash_mma.py), why, and the precision of its
+    float32 arithmetic. kernel="auto" takes the tensor-core kernel where it applies
+    (flash_mma.mma_plan: head dims multiples of 8 up to 128; no spec of the SIMT kernel
+    given) for float16 and bfloat16, and for float32 at precision "high" (float32_why_not:
+    not with a mask or bias, nor for decoding; halves_range_why_not: not where a head's
+    values lie too far below the tensor's largest), and says why not where it falls back;
+    "mma" raises ValueError with that reason instead. num_splits is taken as flash_attention takes
+    it; both kernels split the keys, so it does not decide."""
     _check_kernel(kernel)
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
-    return _plan(pb, kernel, spec, mask is not None or bias is not None)
+    return _plan_for(pb, kernel, spec, mask is not None or bias is not None,
+                     resolve_precision(precision, q, kernel, pb.dtype), dict(q=q, k=k, v=v))
 
 
 def _check_kernel(kernel):
@@ -110,38 +159,106 @@ def _check_kernel(kernel):
         raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
 
 
-def _plan(pb, kernel, spec, has_mask):
-    """kernel_plan for a checked problem pb (has_mask: a mask or bias is given)."""
+def _plan(pb, kernel, spec, has_mask, precision):
+    """kernel_plan for a checked problem pb (has_mask: a mask or bias is given; precision:
+    resolve_precision's)."""
     if kernel == "simt":
-        return "simt", "asked for"
+        return Plan("simt", "asked for", "highest")
     why_not = mma_plan(pb, has_mask)
     if why_not is None and spec is not None:
         why_not = "a spec (a variant of the SIMT kernel) was given"
     if why_not is None and kernel == "auto" and pb.dtype == "float32":
-        why_not = float32_why_not(pb, has_mask)
+        why_not = float32_why_not(pb, has_mask, precision)
     if why_not is None:
-        return "mma", "asked for" if kernel == "mma" else "16-bit inputs it takes" \
-            if pb.dtype != "float32" else "float32 inputs it takes, as float16 halves"
+        halves = pb.dtype == "float32"
+        return Plan("mma", "asked for" if kernel == "mma" else "16-bit inputs it takes"
+                    if not halves else "float32 inputs it takes, as float16 halves "
+                    "(precision 'high')", "high" if halves else "highest")
     if kernel == "mma":
         raise ValueError(f"kernel='mma': {why_not}")
-    return "simt", f"the tensor-core kernel does not apply: {why_not}"
+    return Plan("simt", f"the tensor-core kernel does not apply: {why_not}", "highest")
+
+
+HALVES_RANGE = 16  # binades below a tensor's largest value where its halves keep 22 bits
+
+
+def halves_range_why_not(named):
+    """None, or why float16 halves with one scale per tensor (halves.py) would lose a head of
+    one of the float32 tensors `named` ({name: (B, H, N, W) array of any kind}): a (batch,
+    head) whose largest finite |x| lies more than 2^HALVES_RANGE below the tensor's largest.
+    Its values then fall toward float16's subnormals after the tensor's scale (hi + lo keep
+    fewer than 22 bits), and 2^30 below nothing of them is left. A head of zeros is exact.
+    Reads every element once (on the device for torch and CuPy, one small copy back)."""
+    for name, x in named.items():
+        top = _head_maxima(x)
+        largest = float(top.max(initial=0.0))
+        low = (top > 0) & (top < largest * 2.0**-HALVES_RANGE)
+        if low.any():
+            b, h = np.unravel_index(int(np.argmax(low)), top.shape)
+            gap = np.log2(largest / top[b, h])
+            return (f"float32 at precision 'high': head (batch {b}, head {h}) of {name} "
+                    f"holds values 2^{gap:.0f} below the tensor's largest, past the "
+                    f"2^{HALVES_RANGE} that float16 halves with one scale per tensor hold "
+                    f"(halves.py)")
+    return None
+
+
+def _head_maxima(x):
+    """(B, H) float64 NumPy: the largest finite |x| of each (batch, head) of x (B, H, N, W)."""
+    shape = tuple(x.shape[:2])
+    if int(np.prod(x.shape)) == 0:
+        return np.zeros(shape)
+    if hasattr(x, "detach"):  # torch
+        import torch
+
+        x = x.detach()
+        return torch.where(torch.isfinite(x), x.abs(), 0).amax(dim=(2, 3)).double().cpu() \
+            .numpy()
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy.where(cupy.isfinite(x), cupy.abs(x), 0).max(axis=(2, 3)).astype(
+            np.float64).get()
+    x = x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
+    return np.where(np.isfinite(x), np.abs(x), 0).max(axis=(2, 3)).astype(np.float64)
+
+
+def _plan_for(pb, kernel, spec, has_mask, precision, named):
+    """_plan, and where it takes the tensor cores for float32, the range of the values
+    (halves_range_why_not over the tensors `named`): past it "auto" takes the SIMT kernel
+    (full float32), and "mma" raises ValueError saying why."""
+    plan = _plan(pb, kernel, spec, has_mask, precision)
+    if plan.kernel != "mma" or pb.dtype != "float32":
+        return plan
+    why_not = halves_range_why_not(named)
+    if why_not is None:
+        return plan
+    if kernel == "mma":
+        raise ValueError(f"kernel='mma': {why_not}")
+    return Plan("simt", f"the tensor-core kernel does not apply: {why_not}", "highest")
 
 
 def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
-            window=None, return_lse=False, num_splits=None, spec=None, kernel="auto"):
+            window=None, return_lse=False, num_splits=None, spec=None, kernel="auto",
+            precision=None):
     """flash_attention without autograd: the kernels' launch (the arguments checked once).
     A torch call of a layout seen before replays that call's launches (replay.py)."""
     _check_kernel(kernel)
     _check_num_splits(num_splits)
+    precision = resolve_precision(precision, q, kernel, _dtype_of(q))
     key = None
-    if mask is None and bias is None and kv_lengths is None and spec is None:
-        key = replay_key(q, k, v, scale, causal, window, return_lse, num_splits, kernel)
+    halves = _dtype_of(q) == "float32" and (precision == "high" or kernel == "mma")
+    if mask is None and bias is None and kv_lengths is None and spec is None and not halves:
+        # (float32 on halves is not replayed: the values' range decides the kernel)
+        key = replay_key(q, k, v, scale, causal, window, return_lse, num_splits, kernel,
+                         precision)
         found = replay.find(key)
         if found is not None:
             return found.run((q, k, v))
     with replay.recording(key, (q, k, v)) as recorded:
         pb, io, out, lse = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
-        if _plan(pb, kernel, spec, mask is not None or bias is not None)[0] == "mma":
+        if _plan_for(pb, kernel, spec, mask is not None or bias is not None, precision,
+                     dict(q=q, k=k, v=v)).kernel == "mma":
             _mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits)
         else:
             _simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
@@ -152,10 +269,16 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
 
 
 def replay_key(q, k, v, scale=None, causal=False, window=None, return_lse=False,
-               num_splits=None, kernel="auto"):
+               num_splits=None, kernel="auto", precision="highest"):
     """The layout under which forward records and replays a call without mask, bias,
     kv_lengths or spec (replay.call_key; None: not one to replay)."""
-    return replay.call_key((q, k, v), (scale, causal, window, return_lse, num_splits, kernel))
+    return replay.call_key((q, k, v), (scale, causal, window, return_lse, num_splits, kernel,
+                                       precision))
+
+
+def _dtype_of(x):
+    """x's dtype name, as check_attention_args names it, without checking anything else."""
+    return str(getattr(x, "dtype", "")).replace("torch.", "")
 
 
 def _simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec):

@@ -25,11 +25,23 @@ from reference.dtypes import dtype_name, numpy_dtype, torch_dtype
 Tensor = torch.Tensor
 
 
+@torch._dynamo.assume_constant_result
+def float32_matmul_precision():
+    """torch.get_float32_matmul_precision(), read as a constant under torch.compile (its value
+    when the graph is traced)."""
+    return torch.get_float32_matmul_precision()
+
+
 def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
-              window=None, return_lse=False, num_splits=None, kernel="auto"):
-    """flash_attention's forward through the operator (same arguments and results)."""
-    check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
-                         kv_lengths=kv_lengths, window=window)  # the contract's errors first
+              window=None, return_lse=False, num_splits=None, kernel="auto", precision=None):
+    """flash_attention's forward through the operator (same arguments and results). The
+    precision is resolved here, once (PyTorch's setting when None), and the backward runs at
+    the forward's: its kernel follows the forward's ("simt" forward, "tuned" backward)."""
+    from .api import resolve_precision
+
+    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                              kv_lengths=kv_lengths, window=window)  # the contract's errors
+    precision = resolve_precision(precision, q, kernel, pb.dtype)
     if isinstance(bias, Tensor) and bias.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError("bias requires grad, but the kernels compute no gradient "
                                   "for bias (reference.attention_backward(return_dbias=True) "
@@ -39,31 +51,37 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_len
     out, lse = torch.ops.flash_conformance.attention(
         q, k, v, mask, bias, kv_lengths, None if scale is None else float(scale),
         causal or "", None if window is None else [int(w) for w in window], num_splits,
-        kernel)
+        kernel, precision)
     return (out, lse) if return_lse else out
 
 
-def _options(mask, bias, kv_lengths, scale, causal, window, num_splits=None, kernel=None):
+BACKWARD_KERNEL = {"auto": "auto", "mma": "mma", "simt": "tuned"}  # the forward's -> backward
+
+
+def _options(mask, bias, kv_lengths, scale, causal, window, num_splits=None, kernel=None,
+             precision=None):
     """The operator's arguments as flash_attention's keywords."""
     return dict(mask=mask, bias=bias, kv_lengths=kv_lengths, scale=scale,
                 causal=causal or False, window=None if window is None else tuple(window),
                 **({} if num_splits is None else {"num_splits": num_splits}),
-                **({} if kernel is None else {"kernel": kernel}))
+                **({} if kernel is None else {"kernel": kernel}),
+                **({} if precision is None else {"precision": precision}))
 
 
 @torch.library.custom_op("flash_conformance::attention", mutates_args=())
 def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
                kv_lengths: Optional[Tensor], scale: Optional[float], causal: str,
                window: Optional[list[int]], num_splits: Optional[int],
-               kernel: str) -> tuple[Tensor, Tensor]:
+               kernel: str, precision: str) -> tuple[Tensor, Tensor]:
     from .api import forward
 
-    opts = _options(mask, bias, kv_lengths, scale, causal, window, num_splits, kernel)
+    opts = _options(mask, bias, kv_lengths, scale, causal, window, num_splits, kernel,
+                    precision)
     return _on_device(forward, (q, k, v), opts, return_lse=True)
 
 
 @_attention.register_fake
-def _(q, k, v, mask, bias, kv_lengths, scale, causal, window, num_splits, kernel):
+def _(q, k, v, mask, bias, kv_lengths, scale, causal, window, num_splits, kernel, precision):
     b, hq, nq = q.shape[:3]
     return q.new_empty((b, hq, nq, v.shape[3])), q.new_empty((b, hq, nq), dtype=torch.float32)
 
@@ -73,31 +91,34 @@ def _attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tenso
                         dout: Tensor, dlse: Optional[Tensor], mask: Optional[Tensor],
                         bias: Optional[Tensor], kv_lengths: Optional[Tensor],
                         scale: Optional[float], causal: str,
-                        window: Optional[list[int]]) -> tuple[Tensor, Tensor, Tensor]:
+                        window: Optional[list[int]], kernel: str,
+                        precision: str) -> tuple[Tensor, Tensor, Tensor]:
     from .backward import flash_attention_backward
 
-    opts = _options(mask, bias, kv_lengths, scale, causal, window)
+    opts = _options(mask, bias, kv_lengths, scale, causal, window, kernel=kernel,
+                    precision=precision)
     return _on_device(flash_attention_backward, (q, k, v, out, lse, dout.contiguous()),
                       dict(opts, dlse=dlse))
 
 
 @_attention_backward.register_fake
-def _(q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, scale, causal, window):
+def _(q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, scale, causal, window, kernel,
+      precision):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, kv_lengths, scale, causal, window, _, _ = inputs
+    q, k, v, mask, bias, kv_lengths, scale, causal, window, _, kernel, precision = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, mask, bias, kv_lengths)
-    ctx.options = (scale, causal, window)
+    ctx.options = (scale, causal, window, BACKWARD_KERNEL[kernel], precision)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, mask, bias, kv_lengths = ctx.saved_tensors
     dq, dk, dv = _attention_backward(q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths,
                                      *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 _attention.register_autograd(_backward, setup_context=_setup_context)

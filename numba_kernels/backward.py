@@ -5,7 +5,7 @@ import numpy as np
 
 from reference.contract import _shape4
 from reference.dtypes import dtype_name
-from .api import _band, _begin, _halves, _plan, _side_inputs
+from .api import _band, _begin, _halves, _plan_for, _side_inputs, resolve_precision
 from .flash_fwd import kernel_args
 from .launch import launch
 from .plain_bwd import (DELTA_ARGS, DELTA_THREADS, DKDV_ARGS, DQ_ARGS, plain_bwd_kernel)
@@ -20,7 +20,7 @@ from .specs import pad, tuned_bwd_kernel
 
 def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=False, mask=None,
                              bias=None, kv_lengths=None, window=None, dlse=None,
-                             kernel="auto"):
+                             kernel="auto", precision=None):
     """(dq, dk, dv): the gradients of the output for incoming gradient dout, per
     docs/contract.md ("Gradients"), in q's dtype and array type.
 
@@ -30,11 +30,12 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     two calls give bitwise equal gradients (no atomic adds). Arithmetic is float32.
     dlse: the gradient of lse too, (B, Hq, Nq) float32, where the loss used it: since
     d lse_i / d s_ij = P_ij, it enters as delta - dlse (dS = P * (dP - delta + dlse)).
-    kernel: "auto" (the default, the same choice as flash_attention's "auto" forward: "mma"
-    where it applies, float32 too from 64 query rows without a mask or bias
-    (api.float32_why_not), else "tuned"), "mma" (flash_mma_bwd.py: tensor cores, float16
-    and bfloat16, and float32 as two float16 halves a value (halves.py: 2.3-3.0 times
-    faster than "tuned" on the H200); head dims multiples of 8 up to 128, float32 with a
+    kernel: "auto" (the default, the same choice as flash_attention's "auto" forward at the
+    same precision: "mma" where it applies, float32 too at precision "high" from 64 query
+    rows without a mask or bias (api.float32_why_not), else "tuned"), "mma"
+    (flash_mma_bwd.py: tensor cores, float16 and bfloat16, and float32 as two float16
+    halves a value (halves.py: products of about 22 bits, 2.3-3.0 times faster than "tuned"
+    on the H200); head dims multiples of 8 up to 128, float32 with a
     mask or bias up to 64; ValueError where it does not apply; float32's scores are the
     forward's bit for bit when out and lse came from flash_attention(kernel="mma"): after
     the SIMT forward's take "tuned", whose scores round as that forward's do), "tuned"
@@ -43,6 +44,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     to read first). Every kernel keeps a NaN or an inf in a pair that takes no part out of
     the gradients: the tensor-core kernels flag the tiles of q, k and dout that hold one
     (one pass over each) and add only the pairs that take part in those.
+    precision: as flash_attention's ("highest", "high", or None: PyTorch's float32 matmul
+    precision for torch tensors, else "highest").
     """
     if kernel not in KERNELS and kernel != "auto":
         raise ValueError(f"kernel must be one of {sorted(KERNELS) + ['auto']}, got {kernel!r}")
@@ -52,8 +55,11 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     why_not = mma_plan(pb, has_mask)
     if why_not and kernel == "mma":
         raise ValueError(f"kernel='mma': {why_not}")
-    if kernel == "auto":  # the forward's "auto" choice, so that the two passes agree
-        kernel = "mma" if _plan(pb, "auto", None, has_mask)[0] == "mma" else "tuned"
+    precision = resolve_precision(precision, q, kernel, pb.dtype)
+    if kernel in ("auto", "mma"):  # the forward's choice, so that the two passes agree
+        plan = _plan_for(pb, kernel, None, has_mask, precision,
+                         dict(q=q, k=k, v=v, dout=dout))
+        kernel = "mma" if plan.kernel == "mma" else "tuned"
     dq = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.d), pb.dtype)
     dk = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.d), pb.dtype)
     dv = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.dv), pb.dtype)

@@ -42,6 +42,37 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_len
     return (out, lse) if return_lse else out
 
 
+def score_sensitivity(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
+                      kv_lengths=None, window=None, rows=None, truth=None):
+    """How much rounding the scores moves each output row, per unit of relative error:
+    r_i = sum_j p_ij |s_ij| (max_c |v_jc| + max_c |out_ic|) over the keys row i sees, float64
+    (B, Hq, Nq) (0 for a row that sees no key). Rounding each score s_ij to s_ij (1 + d_ij)
+    moves out_i by sum_j p_ij d_ij s_ij (v_j - out_i), to first order: at most
+    max|d| * r_i in every channel. Only the pairs that carry weight count, so a key with a
+    huge value and no weight adds nothing. Non-finite scores and values count as 0. Same
+    arguments as attention; truth: its (out, lse) for these arguments, when already made."""
+    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                              kv_lengths=kv_lengths, window=window)
+    rows = check_rows(rows, pb.n_q)
+    xp = array_namespace(q, k, v)
+    out, lse = truth if truth is not None else forward(pb, q, k, v, mask, bias, kv_lengths,
+                                                       compute="float64", rows=rows)
+    with quiet(xp):
+        out_top = xp.where(xp.isfinite(out), xp.abs(out), 0).max(axis=-1)
+    result = xp.zeros(lse.shape, dtype="float64")
+    for blk in blocks(pb, k, v, mask, bias, kv_lengths, "float64", xp, rows):
+        q_b = xp.asarray(q[blk.b, blk.heads][:, blk.rows], dtype="float64")
+        s = scores(pb, q_b, blk, "float64", xp)
+        with quiet(xp):
+            l_b = lse[blk.b, blk.heads, blk.out_rows][..., None]
+            w = xp.exp(s - xp.where(xp.isfinite(l_b), l_b, 0)) * xp.abs(s)  # p |s|
+            w = xp.where(xp.isfinite(w), w, 0)
+            v_top = xp.where(xp.isfinite(blk.v), xp.abs(blk.v), 0).max(axis=-1)
+            total = w @ v_top + w.sum(axis=-1) * out_top[blk.b, blk.heads, blk.out_rows]
+        result[blk.b, blk.heads, blk.out_rows] = total
+    return result
+
+
 def check_rows(rows, n_q):
     """rows as a list of increasing ints in [0, n_q), or None."""
     if rows is None:
@@ -158,24 +189,29 @@ def forward(problem, q, k, v, mask, bias, kv_lengths, compute, p_dtype=None, rou
     lse = xp.full((pb.batch, pb.heads_q, n_out), -xp.inf, dtype=compute)
     for blk in blocks(pb, k, v, mask, bias, kv_lengths, compute, xp, rows):
         q_b = xp.asarray(q[blk.b, blk.heads][:, blk.rows], dtype=compute)
-        o, l_ = _block(pb, q_b, blk.k, blk.v, bool(xp.isfinite(blk.v).all()), blk.lo, blk.hi,
-                       blk.j0, blk.j1, blk.mask, blk.bias, compute, p_dtype, round_fn, xp)
+        o, l_ = _block(pb, q_b, blk, compute, p_dtype, round_fn, xp)
         out[blk.b, blk.heads, blk.out_rows], lse[blk.b, blk.heads, blk.out_rows] = o, l_
     return out, lse
 
 
-def _block(pb, q_b, k_b, v_b, finite, lo, hi, j0, j1, mask_b, bias_b, compute, p_dtype,
-           round_fn, xp):
-    """(out, lse) of one block: G query heads, R rows, keys j0 <= j < j1."""
-    bias_b = None if bias_b is None else bias_b.astype(compute)
-    keep = visible(lo, hi, j0, j1, mask_b, bias_b, xp)
+def scores(pb, q_b, blk, compute, xp):
+    """The masked scores (G, R, n) of block blk's rows q_b: hidden keys -inf."""
+    bias_b = None if blk.bias is None else blk.bias.astype(compute)
+    keep = visible(blk.lo, blk.hi, blk.j0, blk.j1, blk.mask, bias_b, xp)
     with quiet(xp):
-        s = q_b @ k_b.T  # (G, R, n)
+        s = q_b @ blk.k.T  # (G, R, n)
         s *= np.dtype(compute).type(pb.scale)
         if bias_b is not None:
             s += bias_b
-        if keep is not None:
-            s = xp.where(keep, s, -xp.inf)
+        return s if keep is None else xp.where(keep, s, -xp.inf)
+
+
+def _block(pb, q_b, blk, compute, p_dtype, round_fn, xp):
+    """(out, lse) of one block: G query heads, R rows, keys j0 <= j < j1."""
+    v_b = blk.v
+    finite = bool(xp.isfinite(v_b).all())
+    s = scores(pb, q_b, blk, compute, xp)
+    with quiet(xp):
         keep = seen(s, xp)
         m = s.max(axis=-1, keepdims=True)  # NaN propagates; -inf: no visible key
         m = xp.where(m == -xp.inf, 0, m)  # never exp(-inf - -inf)

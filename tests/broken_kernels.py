@@ -45,11 +45,40 @@ BUGS = {  # bug: (a case that must fail, a phrase its failure must contain)
     "returns-out-only": ("shape 1x1 [float32]", "claims lse"),
     "aliases-input": ("shape 13x37 [float32]", "aliases"),
 }
+# Kernels that pass the battery without the value families and layouts (verify.cases.VALUES,
+# EXPANDED) and fail one of them: bug: (dtypes claimed, a case that must fail, a phrase its
+# failure must contain)
+VALUE_BUGS = {
+    # float32 as two float16 halves with one scale per tensor (as numba_kernels/halves.py
+    # before scales per (batch, head)): a head or key 2^20 below the largest falls under
+    # float16's range
+    "halves-per-tensor": (("float32",), ("values heads-held [float32]",
+                                         "values batch-held [float32]",
+                                         "values keys [float32]"), "mismatched"),
+    # the running row max kept in float16: scores past 65504 saturate it to inf
+    "max-in-float16": (("float32",), ("values rows [float32]", "values outliers [float32]",
+                                      "values heavy-tails [float32]",
+                                      "values heads-free [float32]",
+                                      "values batch-free [float32]",
+                                      "values score-limit [float32]"), "mismatched"),
+    # each key tile's P V summed in float16: values near float16's largest overflow
+    "pv-float16-sums": (("float16",), ("values value-limit [float16]",), "non-finite"),
+    # float16 subnormal inputs flushed to zero
+    # (and outputs a row takes from one key, judged at their own scale)
+    "flush-subnormals": (("float16",), ("values subnormal [float16]", "tiny values",
+                                        "window (0, 0)"), "mismatched"),
+    # a stride of 0 taken as the contiguous stride (memory past the copy read as zeros)
+    "expanded-misread": (("float32",), ("expanded over batch", "expanded over heads",
+                                        "expanded over the sequence"), "mismatched"),
+    # expanded keys at lengths one past a multiple of 32 lose their last key (as PyTorch
+    # issue 191937 reports of its efficient backend)
+    "expanded-kv-tail": (("float32",), ("expanded over heads, Nk = 33",), "mismatched"),
+}
 OUT_BUFFER_BUG = "writes-outside-out"  # caught by the out-buffer check, when out= is claimed
 
 
 def kernel(bug=None):
-    assert bug is None or bug in BUGS or bug == OUT_BUFFER_BUG, bug
+    assert bug is None or bug in BUGS or bug in VALUE_BUGS or bug == OUT_BUFFER_BUG, bug
     cache = {}
 
     def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
@@ -77,6 +106,11 @@ def kernel(bug=None):
 
 
 def _forward(bug, q, k, v, scale, causal, mask, bias, kv_lengths, window):
+    if bug == "expanded-kv-tail" and 0 in k.strides and k.shape[2] % 32 == 1:
+        k, v = k[:, :, :-1], v[:, :, :-1]  # the last key lost; lengths and masks cut alike
+        mask = None if mask is None else mask[..., :-1]
+        bias = None if bias is None else bias[..., :-1]
+    q, k, v = (_quantized(bug, x, name) for x, name in zip((q, k, v), "qkv"))
     if bug == "strides-ignored":  # reads memory as if the views were contiguous
         q, k, v = (np.lib.stride_tricks.as_strided(
             x, strides=np.ascontiguousarray(x).strides) for x in (q, k, v))
@@ -120,6 +154,26 @@ def _forward(bug, q, k, v, scale, causal, mask, bias, kv_lengths, window):
     return out.astype(q.dtype), lse.astype(np.float32)
 
 
+def _quantized(bug, x, name):
+    """x as the value bugs read it (VALUE_BUGS), in x's dtype."""
+    if bug == "expanded-misread" and 0 in x.strides:  # copies past the first read as zeros
+        axis = x.strides.index(0)
+        first = np.take(x, [0], axis=axis)
+        return np.concatenate([first] + [np.zeros_like(first)] * (x.shape[axis] - 1), axis)
+    if bug == "flush-subnormals" and x.dtype == np.float16:
+        return np.where(np.abs(x) < np.finfo(np.float16).tiny, 0, x).astype(x.dtype)
+    finite = np.isfinite(x)
+    top = float(np.abs(np.where(finite, x, 0)).max(initial=0.0))
+    if bug == "halves-per-tensor" and x.dtype == np.float32 and top > 0:
+        c = 2.0 ** (13 - np.floor(np.log2(top)))  # halves.py's one scale for the tensor
+        with np.errstate(all="ignore"):
+            hi = (x * c).astype(np.float16)
+            lo = (x * c - hi.astype(np.float32)).astype(np.float16)
+        split = (hi.astype(np.float64) + lo.astype(np.float64)) / c
+        return np.where(finite, split, x).astype(np.float32)
+    return x
+
+
 def _tiles(bug, pb, qf, kf, vf, keep, bias, scale):
     """The online softmax over key tiles of BLOCK_N."""
     acc_t = np.float16 if bug == "float16-accumulation" else np.float32
@@ -140,6 +194,8 @@ def _tiles(bug, pb, qf, kf, vf, keep, bias, scale):
             if bug == "batch-dependent":  # one max for the whole batch and every head
                 tile_max = np.broadcast_to(tile_max.max(axis=(0, 1)), tile_max.shape)
             m_new = np.maximum(m_i, tile_max)
+            if bug == "max-in-float16":  # saturates to inf past 65504
+                m_new = m_new.astype(np.float16).astype(np.float32)
             m_safe = np.where(m_new == -np.inf, 0, m_new)
             if bug == "no-max-subtraction":
                 m_safe = np.zeros_like(m_safe)
@@ -148,6 +204,8 @@ def _tiles(bug, pb, qf, kf, vf, keep, bias, scale):
             vt = vf[:, :, j0:j1]
             pv = p @ vt if bug in ("masked-nan-leaks", "hidden-v-times-zero") else \
                 weighted_values(p, vis if bug == "mask-not-score" else s != -np.inf, vt, np)
+            if bug == "pv-float16-sums":  # the tile's products summed in float16
+                pv = _float16_sums(np.where(s != -np.inf, p, 0), vt)
             l_i = (alpha * l_i + p.sum(-1)).astype(acc_t)
             acc = (np.asarray(alpha)[..., None] * acc + pv).astype(acc_t)
             m_i = m_new
@@ -157,6 +215,17 @@ def _tiles(bug, pb, qf, kf, vf, keep, bias, scale):
             out = acc / l_i[..., None]
         lse = np.where(empty, -np.inf, m_i + np.log(l_i.astype(np.float32)))
     return out, lse
+
+
+def _float16_sums(p, vt):
+    """p @ vt with each product and partial sum rounded to float16 (key by key)."""
+    total = np.zeros(p.shape[:-1] + vt.shape[-1:], np.float16)
+    with np.errstate(all="ignore"):
+        for j in range(p.shape[-1]):
+            term = np.where(p[..., j:j + 1] > 0, p[..., j:j + 1].astype(np.float16)
+                            * vt[..., j:j + 1, :].astype(np.float16), 0)
+            total = (total + term).astype(np.float16)
+    return total.astype(np.float32)
 
 
 def _scores(bug, raw, vis, bias, scale):

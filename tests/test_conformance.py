@@ -100,7 +100,7 @@ def test_the_strategies_draw_only_what_an_implementation_claims():
     from conformance.strategies import cases
     from verify.adapters import Implementation, Supports
 
-    impl = Implementation("mma-like", None, Supports(dtypes=("float16",), max_head_dim=128,
+    impl = Implementation("mma-like", lambda *a, **k: None, Supports(dtypes=("float16",), max_head_dim=128,
                                                      head_dim_multiple=8, mask=False))
     limits = {"max_n": 64, "max_d": 256, "max_bh": 8, "long_n": 64}
     drawn = []
@@ -125,7 +125,7 @@ def test_the_gradient_properties_draw_at_most_grad_max_scores():
     from conformance.test_gradients import cases
     from verify.adapters import Implementation, Supports
 
-    impl = Implementation("any", None, Supports(dtypes=("float32",), max_head_dim=256))
+    impl = Implementation("any", lambda *a, **k: None, Supports(dtypes=("float32",), max_head_dim=256))
     drawn = []
 
     @settings(max_examples=80, database=None, deadline=None)

@@ -99,10 +99,12 @@ def test_flash_attention_takes_the_kernel_by_name():
 @pytest.mark.parametrize("dtype,D,options,want,phrase", [
     ("float16", 64, {}, "mma", "16-bit inputs"),
     ("bfloat16", 128, dict(causal="top_left"), "mma", "16-bit inputs"),
-    ("float32", 64, {}, "simt", "fewer than 64 query rows (decoding)"),
-    ("float32", 72, dict(mask=np.ones((4, 4), bool)), "simt", "float32 with a mask"),
-    ("float32", 64, dict(mask=np.ones((4, 4), bool)), "simt", "float32 with a mask or bias "
-                                                              "takes the tensor cores only"),
+    ("float32", 64, {}, "simt", "precision 'highest' (the default) is full float32"),
+    ("float32", 64, dict(precision="high"), "simt", "fewer than 64 query rows (decoding)"),
+    ("float32", 72, dict(mask=np.ones((4, 4), bool), precision="high"), "simt",
+     "float32 with a mask"),
+    ("float32", 64, dict(mask=np.ones((4, 4), bool), precision="high"), "simt",
+     "float32 with a mask or bias takes the tensor cores only"),
     ("float16", 40 + 1, {}, "simt", "head dims D=41"),
     ("float16", 256, {}, "simt", "up to 128"),
     ("float16", 64, dict(num_splits=3), "mma", "16-bit inputs"),
@@ -112,17 +114,40 @@ def test_auto_takes_the_tensor_core_kernel_where_it_applies_and_says_why_not(
         dtype, D, options, want, phrase):
     from reference.dtypes import numpy_dtype
     q = np.zeros((1, 1, 4, D), numpy_dtype(dtype))
-    kernel, why = kernel_plan(q, q, q, kernel="auto", **options)
+    kernel, why, precision = kernel_plan(q, q, q, kernel="auto", **options)
     assert kernel == want and phrase in why, (kernel, why)
+    assert precision == ("high" if kernel == "mma" and dtype == "float32" else "highest")
 
 
-def test_the_default_takes_the_tensor_cores_for_float32_from_one_full_query_tile():
-    """float32 as float16 halves (halves.py) where verify certifies the pair: no mask or
+def test_float32_is_full_float32_unless_precision_high_is_asked_for():
+    """The default runs float32 on the SIMT kernel (precision "highest"); "high" takes the
+    tensor cores as float16 halves (halves.py) where verify certifies the pair: no mask or
     bias, 64 query rows or more (api.float32_why_not)."""
     q = np.zeros((1, 2, 64, 72), np.float32)
-    assert kernel_plan(q, q, q) == ("mma", "float32 inputs it takes, as float16 halves")
-    assert kernel_plan(q[:, :, :63], q, q)[0] == "simt"
-    assert kernel_plan(q, q, q, bias=np.zeros((64, 64), np.float32))[0] == "simt"
+    assert kernel_plan(q, q, q)[::2] == ("simt", "highest")
+    assert kernel_plan(q, q, q, precision="high") == (
+        "mma", "float32 inputs it takes, as float16 halves (precision 'high')", "high")
+    assert kernel_plan(q[:, :, :63], q, q, precision="high")[0] == "simt"
+    assert kernel_plan(q, q, q, bias=np.zeros((64, 64), np.float32),
+                       precision="high")[0] == "simt"
+    assert kernel_plan(q, q, q, kernel="mma")[::2] == ("mma", "high")
+    with pytest.raises(ValueError, match="precision='highest' asks for full float32"):
+        kernel_plan(q, q, q, kernel="mma", precision="highest")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        kernel_plan(q, q, q, precision="medium")
+
+
+def test_torch_tensors_take_torchs_float32_matmul_precision():
+    torch = pytest.importorskip("torch")
+    q = torch.zeros((1, 2, 64, 72))
+    before = torch.get_float32_matmul_precision()
+    try:
+        for setting, want in (("highest", "simt"), ("high", "mma"), ("medium", "mma")):
+            torch.set_float32_matmul_precision(setting)
+            assert kernel_plan(q, q, q)[0] == want, setting
+            assert kernel_plan(q, q, q, precision="highest")[0] == "simt"
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def test_the_default_takes_the_tensor_core_kernel_for_decoding_too(monkeypatch):
@@ -131,7 +156,7 @@ def test_the_default_takes_the_tensor_core_kernel_for_decoding_too(monkeypatch):
     from numba_kernels import api
     monkeypatch.setattr(api, "_sm_count", lambda: 132)  # an H200 (the simulator says 1)
     q, k = np.zeros((2, 8, 1, 128), np.float16), np.zeros((2, 8, 32768, 128), np.float16)
-    assert kernel_plan(q, k, k) == ("mma", "16-bit inputs it takes")
+    assert kernel_plan(q, k, k) == ("mma", "16-bit inputs it takes", "highest")
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on the GPU")
@@ -210,3 +235,40 @@ def test_the_pre_pass_flags_exactly_the_tiles_holding_nan_or_inf(dtype, exponent
     for b, h, key, _ in cases:
         expected[b, h, key // FLAG_ROWS] = 1
     np.testing.assert_array_equal(flags.copy_to_host(), expected)
+
+
+def test_precision_high_never_trades_the_range():
+    """float16 halves with one scale per tensor hold a head only down to 2^-16 of the
+    tensor's largest value: past that "auto" runs the SIMT kernel and "mma" refuses, saying
+    which head of which tensor."""
+    q = np.ones((1, 2, 64, 72), np.float32)
+    k = q.copy()
+    k[0, 1] *= 2.0**-20
+    plan = kernel_plan(q, k, k, precision="high")
+    assert plan.kernel == "simt" and plan.precision == "highest"
+    assert "head (batch 0, head 1) of k holds values 2^20 below the tensor's largest" in plan.why
+    with pytest.raises(ValueError, match="kernel='mma': float32 at precision 'high'"):
+        kernel_plan(q, k, k, kernel="mma")
+    k[0, 1] = 2.0**-15  # within the range
+    assert kernel_plan(q, k, k, precision="high").kernel == "mma"
+    k[0, 1] = 0.0  # zeros are exact
+    k[0, 0, 0, 0] = np.nan  # and a NaN does not count
+    assert kernel_plan(q, k, k, precision="high").kernel == "mma"
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on the GPU")
+def test_precision_high_passes_heads_far_apart_and_the_halves_alone_do_not(monkeypatch):
+    """Two heads 2^40 apart (q up, k down: the scores unchanged): what precision="high" runs
+    passes verify's rule per head; forced onto the halves (the range check taken out), the
+    small head is lost."""
+    from numba_kernels import api
+
+    case = Case("heads 2^40 apart", B=1, Hq=2, Hk=2, Nq=16, Nk=16, D=16, Dv=16,
+                dtype="float32", values="heads-held")
+    impl = load("numba-mma-backward")
+    assert run_case(impl, case, seed=0).verdict == "pass"
+    monkeypatch.setattr(api, "halves_range_why_not", lambda named: None)
+    monkeypatch.setattr(impl, "fn", lambda q, k, v, **options: api.flash_attention(
+        q, k, v, kernel="mma", **options))
+    result = run_case(impl, case, seed=0)
+    assert result.verdict == "fail" and "mismatched" in result.detail, result.detail

@@ -73,7 +73,9 @@ def test_auto_runs_the_tensor_core_kernels_for_16_bit_inputs(monkeypatch):
 
 def test_auto_runs_the_tuned_kernels_where_the_tensor_cores_do_not_apply(monkeypatch):
     assert _kernel_run(monkeypatch, *_inputs("float32")) == ["tuned"]  # as the forward's auto
-    assert _kernel_run(monkeypatch, *_inputs("float32", n=64)) == ["mma"]  # (a full tile)
+    assert _kernel_run(monkeypatch, *_inputs("float32", n=64)) == ["tuned"]  # "highest"
+    assert _kernel_run(monkeypatch, *_inputs("float32", n=64),
+                       precision="high") == ["mma"]  # (a full tile)
     assert _kernel_run(monkeypatch, *_inputs("float32"), kernel="mma") == ["mma"]  # halves
     assert _kernel_run(monkeypatch, *_inputs(d=12)) == ["tuned"]
     mask = np.ones((10, 10), bool)

@@ -1,6 +1,7 @@
 """verify.compare catches every classic bug for the right reason, passes correct kernels,
 and never crashes on a misbehaving one."""
 import json
+import re
 import time
 import warnings
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 import verify
-from tests.broken_kernels import BUGS, OUT_BUFFER_BUG, kernel
+from tests.broken_kernels import BUGS, OUT_BUFFER_BUG, VALUE_BUGS, kernel
 from verify.adapters import Supports, load
 from verify.cases import Case, VacuousCase, battery, make_inputs
 
@@ -21,6 +22,41 @@ def test_each_broken_kernel_fails_for_its_reason(bug):
     hit = [r for r in report.failures if r.case.name == case_name]
     assert hit, f"{case_name!r} did not fail; failures: {[r.case.name for r in report.failures]}"
     assert phrase in hit[0].detail, hit[0].detail
+
+
+@pytest.mark.parametrize("bug", list(VALUE_BUGS))
+def test_each_value_bug_fails_the_families_made_for_it(bug):
+    """A kernel right on ordinary values and wrong on the values models produce (or on
+    stride-0 inputs) fails those cases, and nothing else: without them it would pass."""
+    dtypes, names, phrase = VALUE_BUGS[bug]
+    report = verify.compare(kernel(bug), suite="quick", supports=Supports(dtypes=dtypes),
+                            progress=False)
+    failed = {r.case.name: r for r in report.failures}
+    for name in names:
+        assert name in failed, f"{name!r} did not fail; failures: {sorted(failed)}"
+        assert phrase in failed[name].detail, failed[name].detail
+    others = [n for n, r in failed.items() if r.case.values not in NEW_VALUES
+              and not r.case.expanded and n not in names]
+    assert not others, others
+
+
+NEW_VALUES = ("heads-held", "heads-free", "batch-held", "batch-free", "rows", "keys",
+              "outliers", "heavy-tails", "score-limit", "value-limit", "subnormal")
+
+
+def test_a_small_head_is_judged_by_its_own_values():
+    """An error that the largest head's scale would hide fails in the head it is in."""
+    from verify.criterion import compare
+
+    truth = np.random.default_rng(0).standard_normal((1, 2, 8, 4))
+    truth[0, 0] *= 1e6
+    got = truth.copy()
+    got[0, 1] += 1e-4  # far below float32's resolution at 1e6, far above it at 1
+    result = compare("out", got, truth, truth.astype(np.float32), "float32")
+    assert not result.passed and result.worst_slice == (0, 1) and result.slices_failed == 1
+    assert result.ulps > 100 and result.effective_bits < 16
+    assert compare("out", truth.astype(np.float32), truth, truth.astype(np.float32),
+                   "float32").passed
 
 
 def test_the_unbroken_twin_passes():
@@ -393,9 +429,26 @@ def test_score_term_is_small_for_ordinary_scores():
     first_term = FLOOR_ULPS["float32"] * EPS["float32"]  # at an output scale of 1
     for n in (16, 4096):  # lse grows like log(n)
         q, k, v, options = make_inputs(Case("normal", 2, 2, 2, 64, n, 64, 64, "float32"), 0)
-        _, lse = reference.attention(q, k, v, return_lse=True, **options)
-        assert 0 < score_rounding(lse, v) < 4 * first_term
-    assert score_rounding(np.array([-np.inf, np.nan]), np.array([np.inf])) == 0.0
+        truth = reference.attention(q, k, v, return_lse=True, **options)
+        term = score_rounding(q, k, v, options, truth)
+        assert term.shape == (2, 2) and (0 < term).all() and (term < 4 * first_term).all()
+
+
+def test_score_term_counts_only_the_keys_that_carry_weight():
+    """Keys with huge values and no weight (scores far below the row's largest) add nothing:
+    the term stays at the scale of the values the rows average."""
+    from verify.cases import Case, make_inputs
+    from verify.criterion import score_rounding
+
+    import reference
+
+    q, k, v = np.ones((1, 1, 8, 16)), np.ones((1, 1, 16, 16)), np.ones((1, 1, 16, 16))
+    k[..., 8:, :] = -1e3  # keys no row weighs (scores -4000 against 4)...
+    v[..., 8:, :] = 1e20  # ... with huge values
+    options = {}
+    truth = reference.attention(q, k, v, return_lse=True)
+    assert np.abs(truth[0]).max() < 10
+    assert score_rounding(q, k, v, options, truth).max() < 1e-3
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
@@ -456,3 +509,81 @@ def test_a_late_device_error_is_the_cases_not_verifys(lazy):
                             progress=False)
     (result,) = report.cases
     assert result.verdict == "skipped" and "out of memory" in result.detail.lower()
+
+
+@pytest.mark.parametrize("claims, phrase", [
+    (dict(causal="top_left"), "Supports.causal must be a tuple"),
+    (dict(causal=("top-left",)), "'top-left' is not one of"),
+    (dict(lse="no"), "Supports.lse must be True or False"),
+    (dict(dtypes="float32"), "write ('float32',)"),
+    (dict(dtypes=("float64",)), "'float64' is not one of"),
+    (dict(head_dim_multiple=0), "Supports.head_dim_multiple must be a positive integer"),
+    (dict(max_head_dim=64.0), "Supports.max_head_dim must be a positive integer"),
+    (dict(head_dims=(16, -32)), "head_dims' entries must be a positive integer"),
+    (dict(fully_masked="zero"), "Supports.fully_masked must be one of"),
+    (dict(scale=("positive", "tiny")), "'tiny' is not one of"),
+])
+def test_malformed_claims_are_refused_by_name(claims, phrase):
+    with pytest.raises((TypeError, ValueError), match=re.escape(phrase)):
+        Supports(**claims)
+
+
+@pytest.mark.parametrize("arguments, phrase", [
+    (dict(layout="xyz"), "layout must be one of"),
+    (dict(array="tensorflow"), "array must be one of"),
+    (dict(dtypes="float32"), "write ('float32',)"),
+    (dict(timeout=0), "timeout must be a positive number"),
+    (dict(seed="0"), "seed must be an integer"),
+])
+def test_malformed_arguments_are_refused_by_name(arguments, phrase):
+    with pytest.raises((TypeError, ValueError), match=re.escape(phrase)):
+        verify.compare(kernel(None), progress=False, **arguments)
+
+
+def test_a_non_callable_implementation_is_refused():
+    from verify.adapters import Implementation
+
+    with pytest.raises(TypeError, match="'mine' is not callable"):
+        Implementation("mine", "not a function")
+    with pytest.raises(TypeError, match="impl must be a name, an Implementation or a callable"):
+        verify.compare(42, progress=False)
+
+
+def test_what_a_kernel_takes_is_not_claimed_beyond_it():
+    """Refusals of equal lengths only, multiples of a block, a set of head dims are "not
+    claimed" with the reason, never failures; the kernel's real bug still fails."""
+    claims = Supports(dtypes=("float32",), equal_lengths=True, length_multiple=16,
+                      head_dims=(16, 64))
+    report = verify.compare(kernel("wrong-scale"), suite="quick", supports=claims,
+                            progress=False)
+    reasons = {r.detail for r in report.cases if r.verdict == "not claimed"}
+    assert "needs Nq != Nk (takes equal query and key lengths only)" in reasons
+    assert any("takes multiples of 16 only" in r for r in reasons)
+    assert any("takes 16, 64 only" in r for r in reasons)
+    ran = [r for r in report.cases if r.verdict in ("pass", "fail")]
+    assert ran and all(r.case.Nq == r.case.Nk and r.case.Nq % 16 == 0
+                       and r.case.D in (16, 64) for r in ran)
+    assert verify.compare(kernel(None), suite="quick", supports=claims,
+                          progress=False).passed
+    assert not report.passed and all("mismatched" in r.detail for r in report.failures)
+
+
+def test_replay_of_a_clean_certificate_says_there_is_nothing_to_replay(tmp_path, capsys):
+    from verify.__main__ import main
+
+    path = tmp_path / "clean.json"
+    assert main(["tests.broken_kernels:CORRECT", "--dtype", "float32", "--suite", "quick",
+                 "--json", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["--replay", str(path)]) == 0
+    assert "nothing to replay -> PASS" in capsys.readouterr().out
+
+
+def test_a_truth_past_the_dtypes_range_is_the_inf_it_rounds_to():
+    from verify.criterion import compare
+
+    truth = np.array([1.0, 7e4, -7e4])
+    assert compare("dq", np.array([1.0, np.inf, -np.inf]), truth, truth, "float16").passed
+    assert not compare("dq", np.array([1.0, 65504.0, -np.inf]), truth, truth,
+                       "float16").passed
+    assert compare("dq", np.array([1.0, 7e4, -7e4]), truth, truth, "float32").passed

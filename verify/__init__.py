@@ -14,7 +14,10 @@ import json
 import sys
 import time
 
-from .adapters import Implementation, Supports, builtin, load
+import numpy as np
+
+from reference.dtypes import KERNEL_DTYPES
+from .adapters import Implementation, Supports, builtin, check_names, load
 from .backward import backward_battery, for_backward
 from .cases import Case, battery
 from .criterion import compare as compare_arrays
@@ -46,8 +49,8 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
                         ("supports", supports), ("timeout_s", timeout)):
         if value is not None:
             setattr(impl, name, value)
-    if impl.timeout_s is None or not impl.timeout_s > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {impl.timeout_s}")
+    impl.check()
+    _check_arguments(dtypes, seed, cases, backward)
     if any(case.backward for case, _ in cases or []):  # a replay of a backward suite
         backward = True
     if backward or grad is not None:
@@ -94,6 +97,19 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
     return report
 
 
+def _check_arguments(dtypes, seed, cases, backward):
+    """compare's own arguments, each refused by name when it is not what it must be."""
+    if dtypes is not None:
+        check_names("dtypes", dtypes, KERNEL_DTYPES)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"seed must be an integer, got {seed!r}")
+    if not isinstance(backward, bool):
+        raise TypeError(f"backward must be True or False, got {backward!r}")
+    if cases is not None and not all(isinstance(c, tuple) and len(c) == 2
+                                     and isinstance(c[0], Case) for c in cases):
+        raise TypeError("cases must be a list of (verify.Case, seed) pairs")
+
+
 def _progress_line(i, n, t0, case):
     def say(phase):
         print(f"\r[{i + 1}/{n} {time.perf_counter() - t0:5.0f}s] {phase[:22]:22s}... "
@@ -127,7 +143,9 @@ def replay(certificate, impl=None, **kw):
     failed = [(_case(c["case"]), c["seed"]) for c in certificate["cases"]
               if c["verdict"] == "fail"]
     impl = impl or certificate.get("impl_spec") or certificate["implementation"]["name"]
-    return compare(impl, cases=failed, suite=f"replay of {certificate.get('suite')}", **kw)
+    report = compare(impl, cases=failed, suite=f"replay of {certificate.get('suite')}", **kw)
+    report.nothing_to_replay = not failed
+    return report
 
 
 def _case(fields):

@@ -6,9 +6,10 @@ claimed it is also called with return_lse=True and must then return (out, lse). 
 what it claims; cases that need anything else are reported "not claimed", not failed.
 
 Built-in adapters (imported lazily, by name): reference, numba, numba-plain,
-numba-tuned-backward (numba's forward, gradients from numba_kernels/flash_bwd.py),
-numba-mma-backward (float32 on the tensor cores as float16 halves, forward and gradients:
-flash_mma.py and flash_mma_bwd.py with kernel="mma", what "auto" runs for float32 from 64
+numba-tuned-backward (numba's forward, gradients from numba_kernels/flash_bwd.py: what
+flash_attention runs for float32 by default, precision "highest"), numba-mma-backward
+(float32 on the tensor cores as float16 halves, forward and gradients: flash_mma.py and
+flash_mma_bwd.py with kernel="mma", what "auto" runs for float32 at precision "high" from 64
 query rows without a mask or bias), numba-mma (the tensor-core kernels alone:
 flash_mma.py's forward, flash_mma_bwd.py's backward), torch-math, torch-efficient,
 torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn. Each states the
@@ -44,6 +45,36 @@ class Supports:
     batch_invariant: bool = True  # each (batch, head) alone gives bitwise the batched result
     out_buffer: bool = False  # takes out= (a caller's array, possibly a view) and fills it
     backward: bool = False  # gives dq, dk, dv (Implementation.grad): the backward suites
+    # What it takes beyond features: refusals of other inputs are "not claimed", not failed
+    equal_lengths: bool = False  # takes Nq == Nk only
+    length_multiple: int = 1  # takes Nq and Nk that are multiples of this only
+    head_dims: tuple = None  # takes these head dims only (D and Dv), e.g. (16, 32, 64, 128)
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self):
+        """Raise TypeError or ValueError naming the field that is not what it must be: a
+        certificate must not rest on a typo (a string where a tuple is meant, "no" for
+        False)."""
+        for name in ("dtypes", "causal", "scale"):
+            check_names(f"Supports.{name}", getattr(self, name), CHOICES[name])
+        for name in BOOLEAN_CLAIMS:
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"Supports.{name} must be True or False, got {value!r}")
+        for name in ("max_head_dim", "head_dim_multiple", "length_multiple"):
+            _positive_int(f"Supports.{name}", getattr(self, name))
+        if self.head_dims is not None:
+            if isinstance(self.head_dims, (str, bytes)) or not hasattr(self.head_dims,
+                                                                       "__iter__"):
+                raise TypeError(f"Supports.head_dims must be None or a tuple of head dims, "
+                                f"got {self.head_dims!r}")
+            for d in self.head_dims:
+                _positive_int("Supports.head_dims' entries", d)
+        if self.fully_masked not in CHOICES["fully_masked"]:
+            raise ValueError(f"Supports.fully_masked must be one of "
+                             f"{CHOICES['fully_masked']}, got {self.fully_masked!r}")
 
     def claims(self, case):
         """(True, "") or (False, the feature this case needs and the implementation lacks)."""
@@ -65,6 +96,14 @@ class Supports:
             return False, f"head dim > {self.max_head_dim}"
         if case.D % self.head_dim_multiple or case.Dv % self.head_dim_multiple:
             return False, f"head dims that are multiples of {self.head_dim_multiple}"
+        if self.head_dims is not None and not {case.D, case.Dv} <= set(self.head_dims):
+            return False, (f"head dims {sorted({case.D, case.Dv})} (takes "
+                           f"{', '.join(map(str, self.head_dims))} only)")
+        if self.equal_lengths and case.Nq != case.Nk:
+            return False, "Nq != Nk (takes equal query and key lengths only)"
+        m = self.length_multiple
+        if case.Nq % m or case.Nk % m:
+            return False, f"lengths {case.Nq} x {case.Nk} (takes multiples of {m} only)"
         return True, ""
 
     def capabilities(self):
@@ -102,6 +141,34 @@ class Supports:
         return caps & set(self.capabilities())
 
 
+CHOICES = {"dtypes": KERNEL_DTYPES, "causal": ("top_left", "bottom_right"),
+           "scale": ("positive", "zero", "negative"),
+           "fully_masked": ("zeros", "nan", "mean"), "array": ("numpy", "torch", "cupy", "jax"),
+           "device": ("cpu", "cuda"), "layout": ("bhnd", "bnhd")}
+BOOLEAN_CLAIMS = ("mask", "bias", "kv_lengths", "window", "gqa", "dv_differs", "lse",
+                  "nonfinite_hidden", "batch_invariant", "out_buffer", "backward",
+                  "equal_lengths")
+
+
+def check_names(what, value, allowed):
+    """A tuple of names from `allowed` (a string alone is refused: it would be read letter by
+    letter)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list, set,
+                                                                   frozenset)):
+        raise TypeError(f"{what} must be a tuple of names from {allowed}, got {value!r}"
+                        + (f" (write ({value!r},))" if isinstance(value, str) else ""))
+    unknown = [v for v in value if v not in allowed]
+    if unknown:
+        raise ValueError(f"{what}: {unknown[0]!r} is not one of {allowed}")
+    return tuple(value)
+
+
+def _positive_int(what, value):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
+            or value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+
+
 @dataclass
 class Implementation:
     name: str
@@ -118,10 +185,39 @@ class Implementation:
     # type and layout (verify.backward: torch_grad and jax_grad make one from a forward).
     grad: object = None
     differentiable: bool = True  # fn can be differentiated by its framework (torch, JAX)
+    # What arithmetic it claims to run, in words, recorded in the certificate beside the
+    # precision verify measures (Report.precision): "float32" for full float32, "float32 as
+    # float16 halves", "TF32", ...; "" when not stated
+    precision: str = ""
     # Optional: warm(backward, say) prepares what the calls will need before the first one
     # (ours compile their kernel variants on every core); backward: gradients will be asked
     # for too; say(line) reports progress. pytest conformance calls it once a session.
     warm: object = None
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self):
+        """Raise TypeError or ValueError naming the field that is not what it must be."""
+        if not callable(self.fn):
+            raise TypeError(f"the implementation {self.name!r} is not callable: got "
+                            f"{type(self.fn).__name__}")
+        if not isinstance(self.supports, Supports):
+            raise TypeError(f"supports must be a verify.Supports, got "
+                            f"{type(self.supports).__name__}")
+        self.supports.check()
+        for name in ("array", "device", "layout"):
+            if getattr(self, name) not in CHOICES[name]:
+                raise ValueError(f"{name} must be one of {CHOICES[name]}, got "
+                                 f"{getattr(self, name)!r}")
+        if not isinstance(self.timeout_s, (int, float)) or isinstance(self.timeout_s, bool) \
+                or not self.timeout_s > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got "
+                             f"{self.timeout_s!r}")
+        for name in ("grad", "warm", "costs"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise TypeError(f"{name} must be callable or None, got "
+                                f"{type(getattr(self, name)).__name__}")
 
     def describe(self):
         d = asdict(self)
@@ -191,22 +287,28 @@ def _numba(plain=False, backward_kernel="plain"):
     numba_kernels/plain_fwd.py; gradients from the backward kernels `backward_kernel`
     (flash_attention_backward's kernel=). backward_kernel "mma" (float32 alone) takes the
     tensor-core forward too: the backward's scores are then the forward's."""
-    from numba_kernels import flash_attention, flash_attention_backward, plain_attention
+    from numba_kernels import (flash_attention, flash_attention_backward,
+                               halves_range_why_not, plain_attention)
     from numba_kernels.convert import SIMULATOR
+
+    def halves(**named):  # "mma" (float32 as halves) where their range holds the values
+        return "mma" if halves_range_why_not(named) is None else "simt"
 
     def attention(q, k, v, **options):
         if plain:
             return plain_attention(q, k, v, **options)
-        return flash_attention(q, k, v, kernel="mma" if backward_kernel == "mma" else "simt",
-                               **options)
+        return flash_attention(q, k, v, kernel=halves(q=q, k=k, v=v)
+                               if backward_kernel == "mma" else "simt", **options)
 
     def fn(q, k, v, **options):
         return attention(q, k, v, **options)
 
     def grad(q, k, v, dout, **options):  # plain_bwd.py or flash_bwd.py
         out, lse = attention(q, k, v, return_lse=True, **options)
-        return flash_attention_backward(q, k, v, out, lse, dout, kernel=backward_kernel,
-                                        **options)
+        kernel = backward_kernel
+        if kernel == "mma" and halves(q=q, k=k, v=v, dout=dout) != "mma":
+            kernel = "tuned"  # what precision="high" runs there
+        return flash_attention_backward(q, k, v, out, lse, dout, kernel=kernel, **options)
 
     def warm(backward=False, say=None):
         forward = "plain" if plain else "mma" if backward_kernel == "mma" else "simt"
@@ -224,9 +326,12 @@ def _numba(plain=False, backward_kernel="plain"):
                   bias=False) if backward_kernel == "mma" else {}
     # the simulator emulates each warp instruction of the tensor-core kernels with 32 threads
     slow = dict(timeout_s=900.0) if backward_kernel == "mma" and not on_gpu else {}
+    precision = ("float32 as float16 halves, one scale per tensor, where their range holds "
+                 "every head (else full float32): precision 'high'"
+                 if backward_kernel == "mma" else "float32")
     return Implementation(name, fn,
                           Supports(batch_invariant=plain or not on_gpu, backward=True,
-                                   **limits),
+                                   **limits), precision=precision,
                           array="torch" if on_gpu else "numpy",
                           device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
@@ -275,6 +380,7 @@ def _numba_mma():
                                                                                **options),
                           Supports(dtypes=MMA_DTYPES, max_head_dim=MMA_WIDTHS[-1],
                                    head_dim_multiple=8, backward=True),
+                          precision="16-bit products exact, float32 sums",
                           array="torch" if on_gpu else "numpy",
                           device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
@@ -333,7 +439,9 @@ def _torch_sdpa(backend):
                  window=masks, gqa=gqa, dv_differs=dv, lse=False, max_head_dim=max_d,
                  nonfinite_hidden=False, batch_invariant=False),
         array="torch", device="cuda" if torch.cuda.is_available() else "cpu",
-        version=f"torch {torch.__version__}")
+        version=f"torch {torch.__version__}",
+        precision=f"torch's float32 matmul precision "
+                  f"{torch.get_float32_matmul_precision()!r}")
 
 
 class _TorchXP:

@@ -17,6 +17,42 @@ BIAS_KINDS = {  # kind: the bias's shape, what it holds
     "alibi": "(1, Hq, Nq, Nk) per-head slopes times the distance to the diagonal, as in ALiBi",
     "shared": "(1, 1, Nq, Nk) normal values",
 }
+VALUES = {  # values: what q, k and v hold (standard normal draws, then ...)
+    "normal": "standard normal draws",
+    "large": "q and k times 30: scores far beyond exp's range",
+    "scaled": "q and k times 4: peaked softmax rows",
+    "tiny": "q, k and v times 1e-3",
+    "ties": "q and k their signs: many exact ties in every row",
+    "heads-held": "each head's q times 2^e and k times 2^-e (scores unchanged), v times 2^f; "
+                  "e and f spread over SPREAD[dtype] binades across the heads",
+    "heads-free": "each head's q, k and v times their own 2^e: scores up to 2^SPREAD",
+    "batch-held": "as heads-held, across the batch",
+    "batch-free": "as heads-free, across the batch",
+    "rows": "each query row's q times its own 2^e (SPREAD binades): tiny and saturated rows",
+    "keys": "each key's k times 2^e and v times 2^-e (e over SPREAD binades): the keys "
+            "that win the softmax hold the smallest values",
+    "outliers": "two channels of q times 1000, of k times 100, one of v times 1e4 (the "
+                "'massive activations' of large language models)",
+    "heavy-tails": "random signs times log-normal magnitudes exp(3 N(0, 1)): the largest of "
+                   "a few thousand draws about 10^4 times the median (float16: at most "
+                   "8192)",
+    "score-limit": "q and k times 2^LIMITS[dtype][0]: raw scores past float16's range for "
+                   "float16 inputs (not float32's), near 2^108 for the others",
+    "value-limit": "v times 2^LIMITS[dtype][1], q and k times 0.1: near-uniform rows of "
+                   "values near the dtype's largest (float16), or at 2^100",
+    "subnormal": "v in the dtype's subnormal range, q and k small enough that the scores "
+                 "underflow",
+    "nan-hidden": "NaN where no row sees it (past kv_lengths, masked columns)",
+    "inf-hidden": "+inf where no row sees it",
+    "nan-visible": "one NaN in a key that some rows see",
+}
+SPREAD = {"float32": 40, "bfloat16": 40, "float16": 20}  # binades the disparities cover
+# log2 of the factors of score-limit (q and k) and value-limit (v): within what float32
+# arithmetic holds (scores, and sums of up to Nk values) for every dtype
+LIMITS = {"float32": (52, 100), "bfloat16": (52, 100), "float16": (7, 13)}
+SUBNORMAL = {"float32": -135, "bfloat16": -130, "float16": -20}  # log2 of a subnormal value
+EXPANDED = {  # expanded: the axis of q, k and v given as a stride-0 view
+    "batch": 0, "heads": 1, "sequence": 2}
 CHECKS = {  # check: what the runner does beyond one call
     "fresh-inputs": "new values written into the same buffers must give a new, correct answer",
     "batch-alone": "each (batch, head) computed alone must give the batched result",
@@ -44,9 +80,9 @@ class Case:
     window: tuple = None
     mask: str = None  # None, "random", "diagonal", "empty-rows", "single-key"
     kv_lengths: str = None  # None, "random", "edges" (0, 1 and Nk)
-    values: str = "normal"  # normal, large, scaled, tiny, ties, nan-hidden, inf-hidden,
-    #                         nan-visible
+    values: str = "normal"  # VALUES
     strided: bool = False  # inputs are non-contiguous views
+    expanded: str = None  # EXPANDED: q, k and v are stride-0 views along this axis
     repeat: bool = False  # run twice, outputs must be bitwise equal
     scale: float = None  # an explicit scale (None: the default 1 / sqrt(D))
     mask_shape: str = "batch"  # batch (B, 1, Nq, Nk), head (B, Hq, Nq, Nk), shared (1, 1, ..)
@@ -98,14 +134,11 @@ def make_inputs(case, seed):
         q, k, v = (_normal(seed, i, s, case.dtype) for i, s in enumerate(shapes))
     else:
         q, k, v = (rng.standard_normal(s) for s in shapes)
-    if case.values == "large":  # scores far beyond exp's range: needs the max subtraction
-        q, k = q * 30.0, k * 30.0
-    elif case.values == "tiny":
-        q, k, v = q * 1e-3, k * 1e-3, v * 1e-3
-    elif case.values == "ties":  # few distinct scores: many exact ties in every row
-        q, k = np.sign(q), np.sign(k)
-    elif case.values == "scaled":  # scores 16 times their usual size: peaked softmax rows
-        q, k = q * 4.0, k * 4.0
+    q, k, v = _values(case, rng, q, k, v)
+    if case.expanded:  # one copy along the axis, repeated: to_impl passes stride-0 views
+        axis = EXPANDED[case.expanded]
+        q, k, v = (np.broadcast_to(np.take(x, [0], axis=axis), x.shape).copy()
+                   for x in (q, k, v))
     options = {}
     if case.scale is not None:
         options["scale"] = case.scale
@@ -131,6 +164,56 @@ def make_inputs(case, seed):
         _poison_some_rows(case, q, k, v, options)
     return q, k, v, options
 
+
+
+def _values(case, rng, q, k, v):
+    """q, k, v (float64 standard normal draws) made into case.values (VALUES)."""
+    kind, group = case.values, case.Hq // case.Hk
+    if kind in ("heads-held", "heads-free", "batch-held", "batch-free"):
+        axis = 1 if kind.startswith("heads") else 0
+        n = case.Hk if axis else case.B
+        e, f = (_ladder(rng, n, SPREAD[case.dtype]) for _ in range(2))
+        e_q = np.repeat(e, group) if axis else e  # a query head takes its key head's
+        e_k = -e if kind.endswith("held") else _ladder(rng, n, SPREAD[case.dtype])
+        shape = (-1, 1, 1, 1) if axis == 0 else (1, -1, 1, 1)
+        return (q * 2.0 ** e_q.reshape(shape), k * 2.0 ** e_k.reshape(shape),
+                v * 2.0 ** f.reshape(shape))
+    if kind == "rows":
+        return q * 2.0 ** _ladder(rng, case.Nq, SPREAD[case.dtype])[:, None], k, v
+    if kind == "keys":
+        e = _ladder(rng, case.Nk, SPREAD[case.dtype])[:, None]
+        return q, k * 2.0 ** e, v * 2.0 ** -e
+    if kind == "outliers":
+        q, k, v = q.copy(), k.copy(), v.copy()
+        channels = sorted({0, case.D // 2})
+        q[..., channels] *= 1e3
+        k[..., channels] *= 1e2
+        v[..., case.Dv // 3] *= 1e4
+        return q, k, v
+    if kind == "heavy-tails":
+        top = 2.0 ** LIMITS[case.dtype][1]  # float16: 8192
+        return tuple(np.sign(x) * np.minimum(np.exp(3.0 * rng.standard_normal(x.shape)), top)
+                     for x in (q, k, v))
+    if kind == "score-limit":
+        big = 2.0 ** LIMITS[case.dtype][0]
+        return q * big, k * big, v
+    if kind == "value-limit":
+        return q * 0.1, k * 0.1, v * 2.0 ** LIMITS[case.dtype][1]
+    if kind == "subnormal":
+        small = 2.0 ** (SUBNORMAL[case.dtype] // 2)
+        return q * small, k * small, v * 2.0 ** SUBNORMAL[case.dtype]
+    factors = {"large": (30.0, 30.0, 1.0), "tiny": (1e-3, 1e-3, 1e-3),
+               "scaled": (4.0, 4.0, 1.0)}  # scaled: scores 16 times their usual size
+    if kind == "ties":  # few distinct scores: many exact ties in every row
+        return np.sign(q), np.sign(k), v
+    a, b, c = factors.get(kind, (1.0, 1.0, 1.0))
+    return q * a, k * b, v * c
+
+
+def _ladder(rng, n, spread):
+    """n exponents evenly spaced over `spread` binades around 0, in random order."""
+    steps = np.linspace(-spread / 2, spread / 2, n) if n > 1 else np.zeros(1)
+    return rng.permutation(np.round(steps))
 
 
 def _normal(seed, which, shape, dtype, chunk=1 << 24):
@@ -354,6 +437,8 @@ def battery(suite="quick", dtypes=KERNEL_DTYPES, max_head_dim=256):
         B=1, Hq=1, Hk=1, Nq=N(33), Nk=N(47))
     add("tiny values", values="tiny")
     add("ties", values="ties", causal="top_left")
+    _distributions(add, N, dtypes, small)
+    _expanded(add, N, small)
     _non_finite(add, N)
     _call_checks(add, N)
     if not small:
@@ -473,6 +558,36 @@ def _masks_and_bias(add, N):
     add("bias shared (1, 1, Nq, Nk)", bias="shared", Nq=N(33), Nk=N(40))
     add("bias + mask + kv_lengths", bias="random", mask="random", kv_lengths="random", B=3,
         Nq=N(30), Nk=N(40))
+
+
+def _distributions(add, N, dtypes, small):
+    """The values real models produce (VALUES), each judged per (batch, head): disparity
+    across heads, batch elements, query rows and keys, outlier channels and heavy tails (at
+    the first dtype in the quick suite, every dtype otherwise), and each dtype's limits."""
+    shapes = {"heads-held": dict(Hq=4, Hk=4), "heads-free": dict(Hq=4, Hk=4),
+              "batch-held": dict(B=4, Hq=1, Hk=1), "batch-free": dict(B=4, Hq=1, Hk=1),
+              "rows": dict(B=1, Nq=N(64), Nk=N(48)), "keys": dict(B=1, Nq=N(40), Nk=N(64)),
+              "outliers": dict(D=32, Dv=32), "heavy-tails": {}}
+    for dtype in dtypes[:1] if small else dtypes:
+        for kind, kw in shapes.items():
+            add(f"values {kind} [{dtype}]", values=kind, dtype=dtype,
+                **dict(dict(Nq=N(40), Nk=N(48)), **kw))
+    if not small:
+        add("values heads-held, GQA 2:1, causal", values="heads-held", Hq=8, Hk=4,
+            causal="bottom_right", Nq=70, Nk=90)
+    for dtype in dtypes:
+        for kind in ("score-limit", "value-limit", "subnormal"):
+            add(f"values {kind} [{dtype}]", values=kind, dtype=dtype, Nq=N(33), Nk=N(40))
+
+
+def _expanded(add, N, small):
+    """q, k and v as stride-0 views (EXPANDED), and expanded keys at lengths one past a
+    multiple of 32."""
+    add("expanded over batch", expanded="batch", B=3, Nq=N(33), Nk=N(40))
+    add("expanded over heads", expanded="heads", Hq=4, Hk=4, Nq=N(33), Nk=N(40))
+    add("expanded over the sequence", expanded="sequence", Nq=N(33), Nk=N(40))
+    for nk in (33,) if small else (33, 65, 129):
+        add(f"expanded over heads, Nk = {nk}", expanded="heads", Hq=4, Hk=4, Nq=N(20), Nk=nk)
 
 
 def _non_finite(add, N):

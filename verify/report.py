@@ -60,6 +60,7 @@ class Report:
     costs: str = None  # the implementation's line on costs outside the calls (compiles)
     coverage: dict = field(default_factory=dict)  # claimed capability -> cases exercising it
     battery_hash: str = ""
+    nothing_to_replay: bool = False  # a replay of a certificate that records no failure
 
     @property
     def failures(self):
@@ -74,7 +75,8 @@ class Report:
     def passed(self):
         """True when no case failed and at least one case passed. (Skipped cases, for want of
         memory or after a hang, are listed; a hang is itself a failure.)"""
-        return not self.failures and any(c.verdict == "pass" for c in self.cases)
+        return not self.failures and (self.nothing_to_replay
+                                      or any(c.verdict == "pass" for c in self.cases))
 
     def counts(self):
         return {v: sum(c.verdict == v for c in self.cases) for v in VERDICTS}
@@ -86,7 +88,11 @@ class Report:
                     counts=self.counts(), costs=self.costs,
                     failure_map=[f.to_dict() for f in failure_map(self.cases)],
                     fully_masked_rows=conventions(self.cases), coverage=self.coverage,
-                    unexercised=self.unexercised, cases=[c.to_dict() for c in self.cases])
+                    unexercised=self.unexercised,
+                    nothing_to_replay=self.nothing_to_replay,
+                    precision_measured=[dict(output=name, dtype=dtype, **m) for (name, dtype), m
+                                        in self.precision().items()],
+                    cases=[c.to_dict() for c in self.cases])
 
     def save(self, path):
         with open(path, "w") as f:
@@ -116,9 +122,37 @@ class Report:
         if self.unexercised:
             lines.append("VERIFY BUG: claimed but exercised by no case: "
                          + ", ".join(self.unexercised))
+        measured = self.precision()
+        if measured:
+            claimed = self.implementation.get("precision") or "not stated"
+            lines.append(f"precision ({claimed}) on ordinary values, the worst slice, in units "
+                         "of the dtype at the slice's own scale (plain same-precision beside it):")
+            lines += [f"  {name} {dtype}: {m['ulps']:.3g} (plain {m['plain_ulps']:.3g}), "
+                      f"{m['effective_bits']:.1f} bits, in {m['case']!r}"
+                      for (name, dtype), m in measured.items()]
         return lines
 
+    def precision(self):
+        """{(output, dtype): the largest ulps over the cases of ordinary values (standard
+        normal draws, nothing non-finite) that ran, with the plain implementation's in that
+        case, its effective bits and the case's name}: the precision the kernel ran at,
+        measured where the scores are of ordinary size (elsewhere the floor's score term,
+        not the arithmetic, sets what a correct kernel errs by)."""
+        worst = {}
+        for r in self.cases:
+            if r.case.values != "normal" or r.case.poison:
+                continue
+            for c in r.comparisons:
+                key = (c.name, c.dtype)
+                if key not in worst or c.ulps > worst[key]["ulps"]:
+                    worst[key] = dict(ulps=c.ulps, plain_ulps=c.plain_ulps,
+                                      effective_bits=c.effective_bits, case=r.case.name)
+        return worst
+
     def __str__(self):
+        if self.nothing_to_replay:
+            return (f"{self.implementation.get('name')}: the certificate records no failed "
+                    f"case, so there is nothing to replay -> PASS")
         lines = self.summary_lines() + [
             f"{'case':44s} {'verdict':12s} {'max abs err':>11s} {'err/bound':>9s} "
             f"{'seconds':>7s}"]

@@ -10,7 +10,7 @@ import traceback
 import numpy as np
 
 from reference.dtypes import dtype_name, numpy_dtype, transported
-from .cases import make_inputs, sample_rows, visibility
+from .cases import EXPANDED, make_inputs, sample_rows, visibility
 from .criterion import judge
 from .report import CaseResult
 
@@ -190,6 +190,11 @@ def to_impl(impl, case, inputs):
             x = x.transpose(0, 2, 1, 3)
         if case.strided:  # same values, stored in the other layout: a non-contiguous view
             args.append(_swap(convert(np.ascontiguousarray(x.transpose(0, 2, 1, 3)))))
+        elif case.expanded:  # one copy along the axis, seen through a stride of 0
+            axis = EXPANDED[case.expanded]
+            axis = {1: 2, 2: 1}.get(axis, axis) if impl.layout == "bnhd" else axis
+            args.append(_broadcast(convert(np.ascontiguousarray(np.take(x, [0], axis=axis))),
+                                   x.shape))
         else:
             args.append(convert(np.ascontiguousarray(x)))
     kwargs = {name: convert(val) if isinstance(val, np.ndarray) else val
@@ -203,6 +208,22 @@ def converter(impl):
     """A function taking a NumPy array to the implementation's array type and device."""
     return {"numpy": lambda: (lambda x: x), "torch": lambda: _to_torch(impl.device),
             "cupy": lambda: _to_cupy, "jax": lambda: _to_jax}[impl.array]()
+
+
+def _broadcast(x, shape):
+    """x (of size 1 along some axes) as a stride-0 view of `shape`, in any array type."""
+    if hasattr(x, "expand"):  # torch
+        return x.expand(*shape)
+    module = type(x).__module__.split(".")[0]
+    if module == "cupy":
+        import cupy
+
+        return cupy.broadcast_to(x, shape)
+    if module.startswith("jax"):
+        import jax.numpy as jnp
+
+        return jnp.broadcast_to(x, shape)
+    return np.broadcast_to(x, shape)
 
 
 def _swap(x):
