@@ -64,9 +64,10 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     halves, about three times faster at N >= 4096 on an H200). None (the default) takes
     torch.get_float32_matmul_precision() for torch tensors ("high" and "medium" give "high";
     its default is "highest") and "highest" for any other array. 16-bit inputs run at their
-    own precision either way. "high" never trades the range: a (batch, head) whose values lie
-    more than 2^16 below its tensor's largest runs the SIMT kernel (halves_range_why_not;
-    kernel="mma" raises instead). The gradients through autograd follow the forward's choice.
+    own precision either way. "high" never trades the range: where a row of q, k or v lies
+    more than 2^16 below its tensor's largest value, or a tensor's largest lies outside
+    2^-48 .. 2^48, the call runs the SIMT kernel (halves_range_why_not; kernel="mma" raises
+    instead). The gradients through autograd follow the forward's choice.
     """
     if type(q).__module__.startswith("torch") and spec is None:
         from . import autograd
@@ -143,7 +144,7 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
     float32 arithmetic. kernel="auto" takes the tensor-core kernel where it applies
     (flash_mma.mma_plan: head dims multiples of 8 up to 128; no spec of the SIMT kernel
     given) for float16 and bfloat16, and for float32 at precision "high" (float32_why_not:
-    not with a mask or bias, nor for decoding; halves_range_why_not: not where a head's
+    not with a mask or bias, nor for decoding; halves_range_why_not: not where a row's
     values lie too far below the tensor's largest), and says why not where it falls back;
     "mma" raises ValueError with that reason instead. num_splits is taken as flash_attention takes
     it; both kernels split the keys, so it does not decide."""
@@ -180,47 +181,54 @@ def _plan(pb, kernel, spec, has_mask, precision):
 
 
 HALVES_RANGE = 16  # binades below a tensor's largest value where its halves keep 22 bits
+HALVES_SPAN = 48  # the tensors' largest values within 2^-48 .. 2^48: the scales' products fit
 
 
 def halves_range_why_not(named):
-    """None, or why float16 halves with one scale per tensor (halves.py) would lose a head of
-    one of the float32 tensors `named` ({name: (B, H, N, W) array of any kind}): a (batch,
-    head) whose largest finite |x| lies more than 2^HALVES_RANGE below the tensor's largest.
-    Its values then fall toward float16's subnormals after the tensor's scale (hi + lo keep
-    fewer than 22 bits), and 2^30 below nothing of them is left. A head of zeros is exact.
-    Reads every element once (on the device for torch and CuPy, one small copy back)."""
+    """None, or why float16 halves with one scale per tensor (halves.py) would not hold the
+    float32 tensors `named` ({name: (B, H, N, W) array of any kind}): a row (of a query, a
+    key or a value) whose largest finite |x| lies more than 2^HALVES_RANGE below the
+    tensor's largest (a row of zeros is exact): after the tensor's scale its values fall
+    toward float16's subnormals (hi + lo keep fewer than 22 bits), and 2^30 below nothing of
+    them is left, which a head or a key whose values are small beside the others' cannot
+    afford; or a tensor whose largest |x| lies outside 2^-HALVES_SPAN .. 2^HALVES_SPAN, whose
+    scales' products would leave float32's range. Reads every element once (on the device
+    for torch and CuPy, one small copy back)."""
     for name, x in named.items():
-        top = _head_maxima(x)
+        top = _row_maxima(x)
         largest = float(top.max(initial=0.0))
+        if largest and not 2.0**-HALVES_SPAN <= largest <= 2.0**HALVES_SPAN:
+            return (f"float32 at precision 'high': the largest value of {name} is "
+                    f"2^{np.log2(largest):.0f}, outside the 2^-{HALVES_SPAN} .. "
+                    f"2^{HALVES_SPAN} that float16 halves with one scale per tensor hold")
         low = (top > 0) & (top < largest * 2.0**-HALVES_RANGE)
         if low.any():
-            b, h = np.unravel_index(int(np.argmax(low)), top.shape)
-            gap = np.log2(largest / top[b, h])
-            return (f"float32 at precision 'high': head (batch {b}, head {h}) of {name} "
-                    f"holds values 2^{gap:.0f} below the tensor's largest, past the "
+            b, h, r = np.unravel_index(int(np.argmax(low)), top.shape)
+            gap = np.log2(largest / top[b, h, r])
+            return (f"float32 at precision 'high': row {r} of (batch {b}, head {h}) of "
+                    f"{name} holds values 2^{gap:.0f} below the tensor's largest, past the "
                     f"2^{HALVES_RANGE} that float16 halves with one scale per tensor hold "
                     f"(halves.py)")
     return None
 
 
-def _head_maxima(x):
-    """(B, H) float64 NumPy: the largest finite |x| of each (batch, head) of x (B, H, N, W)."""
-    shape = tuple(x.shape[:2])
+def _row_maxima(x):
+    """(B, H, N) float64 NumPy: the largest finite |x| of each row of x (B, H, N, W)."""
+    shape = tuple(x.shape[:3])
     if int(np.prod(x.shape)) == 0:
         return np.zeros(shape)
     if hasattr(x, "detach"):  # torch
         import torch
 
         x = x.detach()
-        return torch.where(torch.isfinite(x), x.abs(), 0).amax(dim=(2, 3)).double().cpu() \
-            .numpy()
+        return torch.where(torch.isfinite(x), x.abs(), 0).amax(dim=3).double().cpu().numpy()
     if type(x).__module__.split(".")[0] == "cupy":
         import cupy
 
-        return cupy.where(cupy.isfinite(x), cupy.abs(x), 0).max(axis=(2, 3)).astype(
+        return cupy.where(cupy.isfinite(x), cupy.abs(x), 0).max(axis=3).astype(
             np.float64).get()
     x = x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
-    return np.where(np.isfinite(x), np.abs(x), 0).max(axis=(2, 3)).astype(np.float64)
+    return np.where(np.isfinite(x), np.abs(x), 0).max(axis=3).astype(np.float64)
 
 
 def _plan_for(pb, kernel, spec, has_mask, precision, named):

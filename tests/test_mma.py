@@ -238,15 +238,16 @@ def test_the_pre_pass_flags_exactly_the_tiles_holding_nan_or_inf(dtype, exponent
 
 
 def test_precision_high_never_trades_the_range():
-    """float16 halves with one scale per tensor hold a head only down to 2^-16 of the
-    tensor's largest value: past that "auto" runs the SIMT kernel and "mma" refuses, saying
-    which head of which tensor."""
+    """float16 halves with one scale per tensor hold a row only down to 2^-16 of the
+    tensor's largest value, and tensors whose largest lies within 2^-48 .. 2^48: past that
+    "auto" runs the SIMT kernel and "mma" refuses, saying which row of which tensor."""
     q = np.ones((1, 2, 64, 72), np.float32)
     k = q.copy()
     k[0, 1] *= 2.0**-20
     plan = kernel_plan(q, k, k, precision="high")
     assert plan.kernel == "simt" and plan.precision == "highest"
-    assert "head (batch 0, head 1) of k holds values 2^20 below the tensor's largest" in plan.why
+    assert "row 0 of (batch 0, head 1) of k holds values 2^20 below the tensor's largest" \
+        in plan.why
     with pytest.raises(ValueError, match="kernel='mma': float32 at precision 'high'"):
         kernel_plan(q, k, k, kernel="mma")
     k[0, 1] = 2.0**-15  # within the range
@@ -254,6 +255,11 @@ def test_precision_high_never_trades_the_range():
     k[0, 1] = 0.0  # zeros are exact
     k[0, 0, 0, 0] = np.nan  # and a NaN does not count
     assert kernel_plan(q, k, k, precision="high").kernel == "mma"
+    v = q.copy()
+    v[0, 0, 5] = 2.0**-17  # one key's values
+    assert "row 5 of (batch 0, head 0) of v" in kernel_plan(q, q, v, precision="high").why
+    for top in (2.0**-50, 2.0**50):  # the scales' products would leave float32's range
+        assert "outside the 2^-48 .. 2^48" in kernel_plan(q * top, q, q, precision="high").why
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on the GPU")

@@ -85,7 +85,35 @@ def jax_findings():
             print(f"  jax-cudnn scale {scale}: {type(e).__name__}: {str(e)[:120]}")
 
 
-for name, fn in (("torch lower-right causal, Nq > Nk", lower_right_causal_nq_gt_nk),
+def efficient_backward_large_scores():
+    """One head, 40 query rows, 48 keys, D = 16; q and k times 2^e: the scores reach about
+    2^(2e + 2). The gradients of the efficient backend against the float64 truth (math),
+    and ours (numba_kernels.flash_attention, its default) beside them."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+    from numba_kernels import flash_attention
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for e in (8, 12, 16, 20):
+            q, k, v, dout = (torch.randn((1, 1, n, 16), device="cuda", generator=g)
+                             for n in (40, 48, 48, 40))
+            q, k = q * 2.0**e, k * 2.0**e
+            leaves = [x.to(dtype).double().requires_grad_(True) for x in (q, k, v)]
+            want = torch.autograd.grad(sdpa("math", *leaves), leaves, dout.double())
+            for name, fn in (("efficient", lambda *t: sdpa("efficient", *t)),
+                             ("ours", lambda *t: flash_attention(*t))):
+                xs = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+                got = torch.autograd.grad(fn(*xs), xs, dout.to(dtype))
+                errs = [(a.double() - b).abs().nan_to_num(float("inf")).max().item()
+                        / b.abs().max().item() for a, b in zip(got, want)]
+                print(f"  {str(dtype)[6:]} q, k x 2^{e}: {name:9s} error / largest |truth| "
+                      f"dq {errs[0]:.2g} dk {errs[1]:.2g} dv {errs[2]:.2g}")
+
+
+for name, fn in (("torch efficient backward, large scores", efficient_backward_large_scores),
+                 ("torch lower-right causal, Nq > Nk", lower_right_causal_nq_gt_nk),
                  ("torch scale <= 0", scale_zero_and_negative), ("jax", jax_findings)):
     print(name)
     try:
