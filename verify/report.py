@@ -127,8 +127,9 @@ class Report:
             claimed = self.implementation.get("precision") or "not stated"
             lines.append(f"precision ({claimed}) on ordinary values, the worst slice, in units "
                          "of the dtype at the slice's own scale (plain same-precision beside it):")
-            lines += [f"  {name} {dtype}: {m['ulps']:.3g} (plain {m['plain_ulps']:.3g}), "
-                      f"{m['effective_bits']:.1f} bits, in {m['case']!r}"
+            lines += [f"  {name} {dtype}: {m['ulps']:.3g} units, plain {m['plain_ulps']:.3g} "
+                      f"({m['ulps'] / max(m['plain_ulps'], 1e-30):.3g}x); about "
+                      f"{m['effective_bits']:.1f} bits kept, in {m['case']!r}"
                       for (name, dtype), m in measured.items()]
         return lines
 

@@ -87,8 +87,8 @@ def jax_findings():
 
 def efficient_backward_large_scores():
     """One head, 40 query rows, 48 keys, D = 16; q and k times 2^e: the scores reach about
-    2^(2e + 2). The gradients of the efficient backend against the float64 truth (math),
-    and ours (numba_kernels.flash_attention, its default) beside them."""
+    2^(2e + 2). The largest |dq|, |dv| of the efficient backend and of ours
+    (numba_kernels.flash_attention's default) beside the float64 truth's (math)."""
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -96,20 +96,20 @@ def efficient_backward_large_scores():
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
-        for e in (8, 12, 16, 20):
+        for e in (4, 8, 12, 16):
             q, k, v, dout = (torch.randn((1, 1, n, 16), device="cuda", generator=g)
                              for n in (40, 48, 48, 40))
             q, k = q * 2.0**e, k * 2.0**e
             leaves = [x.to(dtype).double().requires_grad_(True) for x in (q, k, v)]
             want = torch.autograd.grad(sdpa("math", *leaves), leaves, dout.double())
+            line = [f"truth {want[0].abs().max().item():.3g}, {want[2].abs().max().item():.3g}"]
             for name, fn in (("efficient", lambda *t: sdpa("efficient", *t)),
                              ("ours", lambda *t: flash_attention(*t))):
                 xs = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
                 got = torch.autograd.grad(fn(*xs), xs, dout.to(dtype))
-                errs = [(a.double() - b).abs().nan_to_num(float("inf")).max().item()
-                        / b.abs().max().item() for a, b in zip(got, want)]
-                print(f"  {str(dtype)[6:]} q, k x 2^{e}: {name:9s} error / largest |truth| "
-                      f"dq {errs[0]:.2g} dk {errs[1]:.2g} dv {errs[2]:.2g}")
+                line.append(f"{name} {got[0].abs().max().item():.3g}, "
+                            f"{got[2].abs().max().item():.3g}")
+            print(f"  {str(dtype)[6:]} q, k x 2^{e}: max |dq|, max |dv|: " + "; ".join(line))
 
 
 for name, fn in (("torch efficient backward, large scores", efficient_backward_large_scores),
