@@ -187,15 +187,17 @@ HALVES_SPAN = 48  # the tensors' largest values within 2^-48 .. 2^48: the scales
 def halves_range_why_not(named):
     """None, or why float16 halves with one scale per tensor (halves.py) would not hold the
     float32 tensors `named` ({name: (B, H, N, W) array of any kind}): a row (of a query, a
-    key or a value) whose largest finite |x| lies more than 2^HALVES_RANGE below the
-    tensor's largest (a row of zeros is exact): after the tensor's scale its values fall
-    toward float16's subnormals (hi + lo keep fewer than 22 bits), and 2^30 below nothing of
-    them is left, which a head or a key whose values are small beside the others' cannot
-    afford; or a tensor whose largest |x| lies outside 2^-HALVES_SPAN .. 2^HALVES_SPAN, whose
-    scales' products would leave float32's range. Reads every element once (on the device
+    key or a value; a head of dout, whose rows scale their own gradients alone) whose largest
+    finite |x| lies more than 2^HALVES_RANGE below the tensor's largest (zeros are exact):
+    after the tensor's scale its values fall toward float16's subnormals (hi + lo keep fewer
+    than 22 bits), and 2^30 below nothing of them is left, which a head or a key whose values
+    are small beside the others' cannot afford; or a tensor whose largest |x| lies outside
+    2^-HALVES_SPAN .. 2^HALVES_SPAN, whose scales' products would leave float32's range. Reads every element once (on the device
     for torch and CuPy, one small copy back)."""
     for name, x in named.items():
         top = _row_maxima(x)
+        if name == "dout":
+            top = top.max(axis=2, keepdims=True)
         largest = float(top.max(initial=0.0))
         if largest and not 2.0**-HALVES_SPAN <= largest <= 2.0**HALVES_SPAN:
             return (f"float32 at precision 'high': the largest value of {name} is "
@@ -205,8 +207,10 @@ def halves_range_why_not(named):
         if low.any():
             b, h, r = np.unravel_index(int(np.argmax(low)), top.shape)
             gap = np.log2(largest / top[b, h, r])
-            return (f"float32 at precision 'high': row {r} of (batch {b}, head {h}) of "
-                    f"{name} holds values 2^{gap:.0f} below the tensor's largest, past the "
+            where = f"(batch {b}, head {h})" if name == "dout" else \
+                f"row {r} of (batch {b}, head {h})"
+            return (f"float32 at precision 'high': {where} of {name} holds values "
+                    f"2^{gap:.0f} below the tensor's largest, past the "
                     f"2^{HALVES_RANGE} that float16 halves with one scale per tensor hold "
                     f"(halves.py)")
     return None

@@ -19,7 +19,6 @@ from typing import Optional
 
 import torch
 
-from reference.contract import check_attention_args
 from reference.dtypes import dtype_name, numpy_dtype, torch_dtype
 
 Tensor = torch.Tensor
@@ -35,13 +34,17 @@ def float32_matmul_precision():
 def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
               window=None, return_lse=False, num_splits=None, kernel="auto", precision=None):
     """flash_attention's forward through the operator (same arguments and results). The
-    precision is resolved here, once (PyTorch's setting when None), and the backward runs at
-    the forward's: its kernel follows the forward's ("simt" forward, "tuned" backward)."""
-    from .api import resolve_precision
+    precision and the kernel are chosen here, once (api.kernel_plan, PyTorch's precision
+    setting when None), and the backward follows them: a "simt" forward's gradients come
+    from the "tuned" kernels, an "mma" forward's from the tensor cores, whose scores are the
+    forward's bit for bit (at scores of 10^7 and more, other scores than the ones the
+    forward's lse was made from give P far from exp(S - lse): docs/findings.md, bug 10)."""
+    from .api import kernel_plan
 
-    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
-                              kv_lengths=kv_lengths, window=window)  # the contract's errors
-    precision = resolve_precision(precision, q, kernel, pb.dtype)
+    plan = kernel_plan(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                       kv_lengths=kv_lengths, window=window, num_splits=num_splits,
+                       kernel=kernel, precision=precision)  # the contract's errors first
+    kernel, precision = plan.kernel, plan.precision
     if isinstance(bias, Tensor) and bias.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError("bias requires grad, but the kernels compute no gradient "
                                   "for bias (reference.attention_backward(return_dbias=True) "
@@ -55,7 +58,7 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_len
     return (out, lse) if return_lse else out
 
 
-BACKWARD_KERNEL = {"auto": "auto", "mma": "mma", "simt": "tuned"}  # the forward's -> backward
+BACKWARD_KERNEL = {"mma": "mma", "simt": "tuned"}  # the forward's kernel -> the backward's
 
 
 def _options(mask, bias, kv_lengths, scale, causal, window, num_splits=None, kernel=None,

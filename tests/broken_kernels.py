@@ -106,7 +106,7 @@ def kernel(bug=None):
 
 
 def _forward(bug, q, k, v, scale, causal, mask, bias, kv_lengths, window):
-    if bug == "expanded-kv-tail" and 0 in k.strides and k.shape[2] % 32 == 1:
+    if bug == "expanded-kv-tail" and 0 in k.strides[1:2] and k.shape[2] % 32 == 1:
         k, v = k[:, :, :-1], v[:, :, :-1]  # the last key lost; lengths and masks cut alike
         mask = None if mask is None else mask[..., :-1]
         bias = None if bias is None else bias[..., :-1]
@@ -156,8 +156,9 @@ def _forward(bug, q, k, v, scale, causal, mask, bias, kv_lengths, window):
 
 def _quantized(bug, x, name):
     """x as the value bugs read it (VALUE_BUGS), in x's dtype."""
-    if bug == "expanded-misread" and 0 in x.strides:  # copies past the first read as zeros
-        axis = x.strides.index(0)
+    spread = [a for a in range(x.ndim) if x.strides[a] == 0 and x.shape[a] > 1]
+    if bug == "expanded-misread" and spread:  # copies past the first read as zeros
+        axis = spread[0]
         first = np.take(x, [0], axis=axis)
         return np.concatenate([first] + [np.zeros_like(first)] * (x.shape[axis] - 1), axis)
     if bug == "flush-subnormals" and x.dtype == np.float16:

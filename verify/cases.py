@@ -564,30 +564,35 @@ def _distributions(add, N, dtypes, small):
     """The values real models produce (VALUES), each judged per (batch, head): disparity
     across heads, batch elements, query rows and keys, outlier channels and heavy tails (at
     the first dtype in the quick suite, every dtype otherwise), and each dtype's limits."""
-    shapes = {"heads-held": dict(Hq=4, Hk=4), "heads-free": dict(Hq=4, Hk=4),
+    b = 1 if small else 2  # the simulator runs the quick suite: a block a (batch, head)
+    shapes = {"heads-held": dict(B=b, Hq=4, Hk=4), "heads-free": dict(B=b, Hq=4, Hk=4),
               "batch-held": dict(B=4, Hq=1, Hk=1), "batch-free": dict(B=4, Hq=1, Hk=1),
-              "rows": dict(B=1, Nq=N(64), Nk=N(48)), "keys": dict(B=1, Nq=N(40), Nk=N(64)),
-              "outliers": dict(D=32, Dv=32), "heavy-tails": {}}
+              "rows": dict(B=1, Hq=b, Hk=b, Nq=64, Nk=40),
+              "keys": dict(B=1, Hq=b, Hk=b, Nq=24, Nk=64),
+              "outliers": dict(B=b, D=32, Dv=32), "heavy-tails": dict(B=b)}
     for dtype in dtypes[:1] if small else dtypes:
         for kind, kw in shapes.items():
             add(f"values {kind} [{dtype}]", values=kind, dtype=dtype,
-                **dict(dict(Nq=N(40), Nk=N(48)), **kw))
+                **dict(dict(Nq=24 if small else 40, Nk=40 if small else 48), **kw))
     if not small:
         add("values heads-held, GQA 2:1, causal", values="heads-held", Hq=8, Hk=4,
             causal="bottom_right", Nq=70, Nk=90)
     for dtype in dtypes:
         for kind in ("score-limit", "value-limit", "subnormal"):
-            add(f"values {kind} [{dtype}]", values=kind, dtype=dtype, Nq=N(33), Nk=N(40))
+            add(f"values {kind} [{dtype}]", values=kind, dtype=dtype, B=b, Nq=N(33),
+                Nk=N(40))
 
 
 def _expanded(add, N, small):
     """q, k and v as stride-0 views (EXPANDED), and expanded keys at lengths one past a
     multiple of 32."""
-    add("expanded over batch", expanded="batch", B=3, Nq=N(33), Nk=N(40))
-    add("expanded over heads", expanded="heads", Hq=4, Hk=4, Nq=N(33), Nk=N(40))
-    add("expanded over the sequence", expanded="sequence", Nq=N(33), Nk=N(40))
+    n = 17 if small else 33
+    add("expanded over batch", expanded="batch", B=3, Hq=1, Hk=1, Nq=n, Nk=40)
+    add("expanded over heads", expanded="heads", B=1, Hq=4, Hk=4, Nq=n, Nk=40)
+    add("expanded over the sequence", expanded="sequence", B=1, Nq=n, Nk=40)
     for nk in (33,) if small else (33, 65, 129):
-        add(f"expanded over heads, Nk = {nk}", expanded="heads", Hq=4, Hk=4, Nq=N(20), Nk=nk)
+        add(f"expanded over heads, Nk = {nk}", expanded="heads", B=1 if small else 2, Hq=4,
+            Hk=4, Nq=N(20), Nk=nk)
 
 
 def _non_finite(add, N):
