@@ -510,7 +510,9 @@ def _jax(implementation):
                                    dtypes=KERNEL_DTYPES if implementation == "xla"
                                    else ("float16", "bfloat16")),
                           array="jax", device="cuda" if jax.default_backend() == "gpu" else "cpu",
-                          layout="bnhd", version=f"jax {jax.__version__}")
+                          layout="bnhd", version=f"jax {jax.__version__}",
+                          precision="jax's default matmul precision "
+                                    f"{jax.config.jax_default_matmul_precision or 'default'!r}")
 
 
 def _bhnd_shape(x):
