@@ -587,3 +587,11 @@ def test_a_truth_past_the_dtypes_range_is_the_inf_it_rounds_to():
     assert not compare("dq", np.array([1.0, 65504.0, -np.inf]), truth, truth,
                        "float16").passed
     assert compare("dq", np.array([1.0, 7e4, -7e4]), truth, truth, "float32").passed
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 3, 4), (1, 0, 3, 4), (1, 2, 0, 4), (2, 3), (0,)])
+def test_empty_tensors_are_judged_without_error(shape):
+    from verify.criterion import compare
+
+    empty = np.zeros(shape)
+    assert compare("out", empty, empty, empty, "float32").passed

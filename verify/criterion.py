@@ -212,8 +212,9 @@ def compare(name, got, truth, plain, dtype, score_term=0.0, at_least=0.0):
                                                        np.finfo(np.float64).tiny), 0.0)
     lead = truth.shape[:2] if truth.ndim >= 3 else ()
     rows = int(np.prod(lead)) if lead else 1
-    by_slice = [a.reshape(rows, -1) for a in (err, plain_err, np.where(fin_t, np.abs(truth),
-                                                                        0.0))]
+    width = truth.size // rows if rows else 0  # elements a slice (a tensor may be empty)
+    by_slice = [a.reshape(rows, width) for a in (err, plain_err, np.where(fin_t, np.abs(truth),
+                                                                           0.0))]
     err_s, plain_s, scale_s = (a.max(axis=1, initial=0.0) for a in by_slice)
     term = np.broadcast_to(np.asarray(score_term, dtype=np.float64), lead).reshape(rows) \
         if lead else float(np.max(score_term))
@@ -243,7 +244,8 @@ def compare(name, got, truth, plain, dtype, score_term=0.0, at_least=0.0):
         mismatched=int(over.sum()),
         total=int(truth.size),
         nonfinite_mismatch=int((~same_nonfinite).sum()),
-        worst_slice=tuple(int(i) for i in np.unravel_index(worst, lead)) if lead else (),
+        worst_slice=tuple(int(i) for i in np.unravel_index(worst, lead)) if rows and lead
+        else (),
         worst_ratio=float(ratio_s[worst]) if rows else 0.0,
         slices_failed=int(failed_s.sum()),
         slices=rows,
