@@ -305,6 +305,30 @@ def test_certificate_records_where_and_what(tmp_path):
     assert other.battery_hash != report.battery_hash
 
 
+def test_the_certificate_names_the_precision_claimed_and_measured(tmp_path):
+    """A float32 kernel on products of 11 bits passes nothing and shows it; the plain one
+    reads as float32, beside its claim."""
+    from verify.adapters import Implementation
+
+    def tf32_like(q, k, v, **options):  # inputs rounded to 11 significant bits
+        import reference
+
+        q, k, v = (reference.round_to(x, "float16").astype(np.float32) for x in (q, k, v))
+        return reference.attention(q, k, v, **options).astype(np.float32)
+
+    claims = Supports(dtypes=("float32",), lse=False)
+    report = verify.compare(Implementation("tf32-like", tf32_like, claims, precision="TF32"),
+                            suite="quick", progress=False)
+    report.save(tmp_path / "c.json")
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["implementation"]["precision"] == "TF32"
+    out = [m for m in data["precision_measured"] if m["output"] == "out"][0]
+    assert out["ulps"] > 100 * out["plain_ulps"] and out["effective_bits"] < 16
+    assert "precision (TF32) on ordinary values" in str(report)
+    exact = verify.compare("reference", suite="quick", dtypes=("float32",), progress=False)
+    assert exact.precision()[("out", "float32")]["effective_bits"] >= 23
+
+
 def test_replay_reruns_the_failures(tmp_path, capsys):
     from verify.__main__ import main
 

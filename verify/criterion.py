@@ -198,39 +198,20 @@ def compare(name, got, truth, plain, dtype, score_term=0.0, at_least=0.0):
     number; at_least: the smallest scale the floor takes (1 for lse). Never raises on bad
     values: NaN, inf and huge errors are reported, not thrown.
     """
-    got = np.asarray(got, dtype=np.float64)
-    truth = np.asarray(truth, dtype=np.float64)
-    plain = np.asarray(plain, dtype=np.float64)
-    with np.errstate(over="ignore", invalid="ignore"):  # past the largest value: inf
-        truth = np.where(np.isinf(cast(truth, dtype)), np.sign(truth) * np.inf, truth)
-    fin_t, fin_g = np.isfinite(truth), np.isfinite(got)
-    same_nonfinite = fin_t == fin_g
-    with np.errstate(invalid="ignore", over="ignore"):
-        err = np.where(fin_t & fin_g, np.abs(got - truth), 0.0)
-        plain_err = np.where(fin_t & np.isfinite(plain), np.abs(plain - truth), 0.0)
-        rel = np.where(fin_t & fin_g, err / np.maximum(np.abs(truth),
-                                                       np.finfo(np.float64).tiny), 0.0)
+    truth, err, plain_err, rel, same_nonfinite = _errors(got, truth, plain, dtype)
     lead = truth.shape[:2] if truth.ndim >= 3 else ()
     rows = int(np.prod(lead)) if lead else 1
     width = truth.size // rows if rows else 0  # elements a slice (a tensor may be empty)
-    by_slice = [a.reshape(rows, width) for a in (err, plain_err, np.where(fin_t, np.abs(truth),
-                                                                           0.0))]
-    err_s, plain_s, scale_s = (a.max(axis=1, initial=0.0) for a in by_slice)
+    err_s, plain_s, scale_s = (a.reshape(rows, width).max(axis=1, initial=0.0) for a in (
+        err, plain_err, np.where(np.isfinite(truth), np.abs(truth), 0.0)))
     term = np.broadcast_to(np.asarray(score_term, dtype=np.float64), lead).reshape(rows) \
         if lead else float(np.max(score_term))
     bound_s = K * plain_s + floor(dtype, scale_s, term, at_least)
-    over = (by_slice[0] > bound_s[:, None]).reshape(truth.shape) | ~same_nonfinite
+    over = (err.reshape(rows, width) > bound_s[:, None]).reshape(truth.shape) | ~same_nonfinite
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio_s = np.where(bound_s > 0, err_s / bound_s, np.where(err_s > 0, np.inf, 0.0))
-        unit = EPS[dtype] * np.maximum(np.maximum(at_least, scale_s),
-                                       UNDERFLOW[dtype] / EPS[dtype])
-    # precision is measured on the slices whose own scale is not dwarfed by the floor's
-    # absolute parts (not a truth of 0, nor a cancellation's remainder far below the floor)
-    unit_s = EPS[dtype] * np.maximum(at_least, scale_s)
-    measured = 1024 * unit_s > bound_s - K * plain_s - FLOOR_ULPS[dtype] * unit_s
     worst = int(np.argmax(ratio_s)) if rows else 0
-    failed_s = (over.reshape(rows, -1).any(axis=1)) if truth.size else np.zeros(rows, bool)
-    norm_t = float(np.linalg.norm(truth[fin_t])) if fin_t.any() else 0.0
+    norm_t = float(np.linalg.norm(truth[np.isfinite(truth)]))
     return Comparison(
         name=name,
         passed=not over.any(),
@@ -247,12 +228,39 @@ def compare(name, got, truth, plain, dtype, score_term=0.0, at_least=0.0):
         worst_slice=tuple(int(i) for i in np.unravel_index(worst, lead)) if rows and lead
         else (),
         worst_ratio=float(ratio_s[worst]) if rows else 0.0,
-        slices_failed=int(failed_s.sum()),
+        slices_failed=int(over.reshape(rows, width).any(axis=1).sum()),
         slices=rows,
-        ulps=float((err_s / unit)[measured].max(initial=0.0)),
-        plain_ulps=float((plain_s / unit)[measured].max(initial=0.0)),
+        **_units(err_s, plain_s, scale_s, bound_s, dtype, at_least),
         dtype=dtype,
     )
+
+
+def _errors(got, truth, plain, dtype):
+    """(truth, |got - truth|, |plain - truth|, relative error, where got and truth are
+    alike finite or not), float64; 0 where either is not finite. A truth past the dtype's
+    largest value is the inf it rounds to."""
+    got, truth, plain = (np.asarray(x, dtype=np.float64) for x in (got, truth, plain))
+    with np.errstate(over="ignore", invalid="ignore"):
+        truth = np.where(np.isinf(cast(truth, dtype)), np.sign(truth) * np.inf, truth)
+    fin_t, fin_g = np.isfinite(truth), np.isfinite(got)
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.where(fin_t & fin_g, np.abs(got - truth), 0.0)
+        plain_err = np.where(fin_t & np.isfinite(plain), np.abs(plain - truth), 0.0)
+        rel = np.where(fin_t & fin_g, err / np.maximum(np.abs(truth),
+                                                       np.finfo(np.float64).tiny), 0.0)
+    return truth, err, plain_err, rel, fin_t == fin_g
+
+
+def _units(err_s, plain_s, scale_s, bound_s, dtype, at_least):
+    """{ulps, plain_ulps}: the largest slice error of the kernel and of the plain
+    implementation in units of eps(dtype) at the slice's own scale, over the slices whose
+    scale the floor's absolute parts (UNDERFLOW, the score term) do not dwarf: not a truth
+    of 0, nor a cancellation's remainder far below the floor."""
+    unit = EPS[dtype] * np.maximum(at_least, scale_s)
+    measured = 1024 * unit > bound_s - K * plain_s - FLOOR_ULPS[dtype] * unit  # never for 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return dict(ulps=float((err_s / unit)[measured].max(initial=0.0)),
+                    plain_ulps=float((plain_s / unit)[measured].max(initial=0.0)))
 
 
 def _argmax(x):
