@@ -114,3 +114,18 @@ def test_a_backward_certificate_replays_its_failures(tmp_path):
     assert all(r.verdict == "fail" and "dk:" in r.detail for r in again.cases)
     fixed = verify.replay(str(path), kernel(None), grad=grad(None), progress=False)
     assert fixed.passed and len(fixed.cases) == len(report.failures)
+
+
+def test_a_row_with_all_its_weight_on_one_key_is_judged_with_dp_minus_deltas_rounding():
+    """dS = P (dP - delta) is 0 in the truth where a row puts all its weight on one key, and
+    the rounding of dP and delta there (here of values near 1e6) is what a correct float32
+    backward returns: the floor takes it (found by Hypothesis on a key 2^40 above another)."""
+    from tests.broken_backward import CORRECT
+    from verify.backward import for_backward
+    from verify.cases import Case
+    from verify.runner import run_case
+
+    case = Case("one key takes all", B=1, Hq=2, Hk=1, Nq=1, Nk=2, D=1, Dv=16,
+                dtype="float32", values="keys", backward=True)
+    result = run_case(for_backward(CORRECT), case, seed=1)
+    assert result.verdict == "pass", result.detail
