@@ -9,7 +9,8 @@ to 40; the largest error of each head over that head's largest |truth| (out, and
 through autograd), the worst head printed. normwise: ||err|| / ||truth|| at
 (2, 8 / 2, 1000, 3001, 40), bottom-right causal, forward and gradients. speed: forward and
 forward + backward, CUDA events, median of repeats; TFLOP/s with the forward as 4 B H N^2 D
-and forward + backward as 3.5 times it. Writes DIR/precision_check.json.
+and forward + backward as 3.5 times it (attention_speed.time_ms). Writes
+DIR/precision_check.json.
 """
 import argparse
 import json
@@ -22,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from benchmarks.attention_speed import time_ms  # noqa: E402
 from numba_kernels import flash_attention  # noqa: E402
 
 WAYS = {  # name: f(q, k, v, **options) on float32 tensors
@@ -104,20 +106,6 @@ def normwise(results):
         print(f"{way:16s} " + " ".join(f"{x:.2e}" for x in errs))
 
 
-def _time(fn, repeats=10):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def speed(results):
     B, H, N, D = 2, 16, 8192, 128
     q, k, v, dout = (torch.randn((B, H, N, D), device="cuda") for _ in range(4))
@@ -127,8 +115,8 @@ def speed(results):
         if way == "torch math":
             continue  # 18 GB of scores
         leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-        fwd = _time(lambda: WAYS[way](q, k, v))
-        both = _time(lambda: torch.autograd.grad(WAYS[way](*leaves), leaves, dout), 5)
+        fwd = time_ms(lambda: WAYS[way](q, k, v))[0]
+        both = time_ms(lambda: torch.autograd.grad(WAYS[way](*leaves), leaves, dout))[0]
         results[f"speed {way}"] = dict(forward_ms=fwd, both_ms=both,
                                        forward_tflops=flops / fwd / 1e9,
                                        both_tflops=3.5 * flops / both / 1e9)
