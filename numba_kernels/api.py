@@ -61,7 +61,7 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     call gets, why, and at which precision.
     precision: what float32 inputs may run at, PyTorch's names: "highest", full float32 (the
     SIMT kernels), or "high", products of about 22 bits allowed (the tensor cores' float16
-    halves, about three times faster at N >= 4096 on an H200). None (the default) takes
+    halves; PERF.md has their speed). None (the default) takes
     torch.get_float32_matmul_precision() for torch tensors ("high" and "medium" give "high";
     its default is "highest") and "highest" for any other array. 16-bit inputs run at their
     own precision either way. "high" never trades the range: where a row of q, k or v lies
@@ -95,11 +95,11 @@ class Plan(NamedTuple):
     precision: str
 
 
-def resolve_precision(precision, q, kernel="auto", dtype=None):
+def resolve_precision(precision, q, kernel, dtype):
     """The precision a call runs float32 at (PRECISIONS): precision as given, or for None,
     PyTorch's float32 matmul precision where q is a torch tensor, else "highest". Raises
-    ValueError for a name not in PRECISIONS, and for kernel="mma" on float32 (float16 halves)
-    with precision="highest" asked for by name."""
+    ValueError for a name not in PRECISIONS, and for kernel="mma" on dtype float32 (float16
+    halves) with precision="highest" asked for by name."""
     if precision is None:
         if not type(q).__module__.startswith("torch"):
             return "highest"
@@ -110,8 +110,7 @@ def resolve_precision(precision, q, kernel="auto", dtype=None):
         raise ValueError(f"precision must be one of {PRECISIONS}, or None (PyTorch's float32 "
                          f"matmul precision for torch tensors, else 'highest'), got "
                          f"{precision!r}")
-    if precision == "highest" and kernel == "mma" and (dtype or str(q.dtype)).endswith(
-            "float32"):
+    if precision == "highest" and kernel == "mma" and dtype == "float32":
         raise ValueError("kernel='mma' runs float32 as float16 halves (products of about 22 "
                          "bits: precision 'high'); precision='highest' asks for full float32: "
                          "use kernel='auto' or 'simt'")
@@ -146,8 +145,8 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
     given) for float16 and bfloat16, and for float32 at precision "high" (float32_why_not:
     not with a mask or bias, nor for decoding; halves_range_why_not: not where a row's
     values lie too far below the tensor's largest), and says why not where it falls back;
-    "mma" raises ValueError with that reason instead. num_splits is taken as flash_attention takes
-    it; both kernels split the keys, so it does not decide."""
+    "mma" raises ValueError with that reason instead. num_splits is taken as flash_attention
+    takes it; both kernels split the keys, so it does not decide."""
     _check_kernel(kernel)
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
@@ -192,8 +191,8 @@ def halves_range_why_not(named):
     after the tensor's scale its values fall toward float16's subnormals (hi + lo keep fewer
     than 22 bits), and 2^30 below nothing of them is left, which a head or a key whose values
     are small beside the others' cannot afford; or a tensor whose largest |x| lies outside
-    2^-HALVES_SPAN .. 2^HALVES_SPAN, whose scales' products would leave float32's range. Reads every element once (on the device
-    for torch and CuPy, one small copy back)."""
+    2^-HALVES_SPAN .. 2^HALVES_SPAN, whose scales' products would leave float32's range.
+    Reads every element once (on the device for torch and CuPy, one small copy back)."""
     for name, x in named.items():
         top = _row_maxima(x)
         if name == "dout":

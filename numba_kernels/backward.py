@@ -11,7 +11,7 @@ from .launch import launch
 from .plain_bwd import (DELTA_ARGS, DELTA_THREADS, DKDV_ARGS, DQ_ARGS, plain_bwd_kernel)
 from .plain_fwd import plain_tiles
 from .flash_bwd import BwdSpec, bwd_width
-from .flash_mma import mma_plan, mma_width
+from .flash_mma import mma_width
 from .flash_mma_bwd import (BLOCK as MMA_BLOCK, FLAG_ROWS, MMA_DKDV_ARGS,
                             MMA_DQ_ARGS, SCAN_THREADS, THREADS as MMA_THREADS, MmaBwdSpec,
                             ScanSpec, kv_parts, mma_bwd_kernel, scan_kernel)
@@ -34,8 +34,8 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     same precision: "mma" where it applies, float32 too at precision "high" from 64 query
     rows without a mask or bias (api.float32_why_not), else "tuned"), "mma"
     (flash_mma_bwd.py: tensor cores, float16 and bfloat16, and float32 as two float16
-    halves a value (halves.py: products of about 22 bits, 2.3-3.0 times faster than "tuned"
-    on the H200); head dims multiples of 8 up to 128, float32 with a
+    halves a value (halves.py: products of about 22 bits; PERF.md has their speed); head
+    dims multiples of 8 up to 128, float32 with a
     mask or bias up to 64; ValueError where it does not apply; float32's scores are the
     forward's bit for bit when out and lse came from flash_attention(kernel="mma"): after
     the SIMT forward's take "tuned", whose scores round as that forward's do), "tuned"
@@ -52,11 +52,10 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     pb, io, _, _ = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
     _check_saved(pb, out, lse, dout)
     has_mask = mask is not None or bias is not None
-    why_not = mma_plan(pb, has_mask)
-    if why_not and kernel == "mma":
-        raise ValueError(f"kernel='mma': {why_not}")
     precision = resolve_precision(precision, q, kernel, pb.dtype)
     if kernel in ("auto", "mma"):  # the forward's choice, so that the two passes agree
+        # ("mma" where it does not apply, or where the halves cannot hold the values: a
+        # ValueError saying why)
         plan = _plan_for(pb, kernel, None, has_mask, precision,
                          dict(q=q, k=k, v=v, dout=dout))
         kernel = "mma" if plan.kernel == "mma" else "tuned"

@@ -11,6 +11,7 @@ import numpy as np
 
 from reference.contract import check_attention_args, dense_visible
 from reference.naive import weighted_values
+from tests.broken_kernels import halves_per_tensor
 
 BLOCK_N = 16
 CALLS = itertools.count()
@@ -29,6 +30,10 @@ BUGS = {  # bug: (a case that must fail, a phrase its failure must contain)
     # torch-cudnn on the H200 (docs/findings.md, bug 8): a plan cached by shape reads a later
     # dout by the strides of the first call
     "dout-layout-cached": ("backward: dout strided after contiguous", "mismatched"),
+    # q, k, v and dout as float16 halves with one scale per tensor (halves.py's split): a
+    # head of dout 2^20 below another loses its gradients, which only a judgement per
+    # (batch, head) sees
+    "halves-per-tensor": ("backward: dout heads 2^40 apart", "mismatched"),
 }
 LAYOUTS = {}  # dout-layout-cached: (shape, dtype) -> dout's strides at the first call
 
@@ -50,6 +55,8 @@ def grad(bug=None):
         if bug == "dout-layout-cached":  # the same buffer read with the first call's strides
             first = LAYOUTS.setdefault((dout.shape, dout.dtype.str), dout.strides)
             dout = np.lib.stride_tricks.as_strided(dout, dout.shape, first)
+        if bug == "halves-per-tensor" and q.dtype == np.float32:
+            q, k, v, dout = (halves_per_tensor(x.astype(np.float32)) for x in (q, k, v, dout))
         qf, dof = q.astype(np.float32), dout.astype(np.float32)
         kf, vf = (x.astype(np.float32)[:, heads] for x in (k, v))
         with np.errstate(all="ignore"):

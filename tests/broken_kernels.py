@@ -163,16 +163,24 @@ def _quantized(bug, x, name):
         return np.concatenate([first] + [np.zeros_like(first)] * (x.shape[axis] - 1), axis)
     if bug == "flush-subnormals" and x.dtype == np.float16:
         return np.where(np.abs(x) < np.finfo(np.float16).tiny, 0, x).astype(x.dtype)
+    if bug == "halves-per-tensor" and x.dtype == np.float32:
+        return halves_per_tensor(x)
+    return x
+
+
+def halves_per_tensor(x):
+    """float32 x as hi + lo, two float16 halves with one scale for the whole tensor (as
+    numba_kernels/halves.py splits it), back in float32; non-finite values as they are."""
     finite = np.isfinite(x)
     top = float(np.abs(np.where(finite, x, 0)).max(initial=0.0))
-    if bug == "halves-per-tensor" and x.dtype == np.float32 and top > 0:
-        c = 2.0 ** (13 - np.floor(np.log2(top)))  # halves.py's one scale for the tensor
-        with np.errstate(all="ignore"):
-            hi = (x * c).astype(np.float16)
-            lo = (x * c - hi.astype(np.float32)).astype(np.float16)
-        split = (hi.astype(np.float64) + lo.astype(np.float64)) / c
-        return np.where(finite, split, x).astype(np.float32)
-    return x
+    if top == 0:
+        return x
+    c = 2.0 ** (13 - np.floor(np.log2(top)))  # halves.py's one scale for the tensor
+    with np.errstate(all="ignore"):
+        hi = (x * c).astype(np.float16)
+        lo = (x * c - hi.astype(np.float32)).astype(np.float16)
+    split = (hi.astype(np.float64) + lo.astype(np.float64)) / c
+    return np.where(finite, split, x).astype(np.float32)
 
 
 def _tiles(bug, pb, qf, kf, vf, keep, bias, scale):

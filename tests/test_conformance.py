@@ -100,8 +100,9 @@ def test_the_strategies_draw_only_what_an_implementation_claims():
     from conformance.strategies import cases
     from verify.adapters import Implementation, Supports
 
-    impl = Implementation("mma-like", lambda *a, **k: None, Supports(dtypes=("float16",), max_head_dim=128,
-                                                     head_dim_multiple=8, mask=False))
+    impl = Implementation("mma-like", lambda *a, **k: None,
+                          Supports(dtypes=("float16",), max_head_dim=128, head_dim_multiple=8,
+                                   mask=False))
     limits = {"max_n": 64, "max_d": 256, "max_bh": 8, "long_n": 64}
     drawn = []
 
@@ -115,6 +116,31 @@ def test_the_strategies_draw_only_what_an_implementation_claims():
     assert drawn and {c.D for c in drawn} <= {16, 40, 64, 128}
 
 
+def test_the_strategies_draw_lengths_and_head_dims_as_claimed():
+    """A kernel that takes equal lengths, multiples of 16 and a set of head dims is drawn
+    only such cases, without Hypothesis filtering most draws away."""
+    from hypothesis import HealthCheck, given, settings
+
+    from conformance.strategies import cases
+    from verify.adapters import Implementation, Supports
+
+    impl = Implementation("tutorial-like", lambda *a, **k: None,
+                          Supports(dtypes=("float16",), equal_lengths=True, length_multiple=16,
+                                   head_dims=(16, 64), dv_differs=False))
+    limits = {"max_n": 64, "max_d": 256, "max_bh": 8, "long_n": 64}
+    drawn = []
+
+    @settings(max_examples=40, database=None, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(case=cases(impl, limits))
+    def prop(case):
+        drawn.append(case)
+        assert case.Nq == case.Nk and case.Nq % 16 == 0 and case.D in (16, 64), case
+
+    prop()
+    assert len(drawn) == 40
+
+
 def test_the_gradient_properties_draw_at_most_grad_max_scores():
     """The gradient properties' cases stay within GRAD_MAX_SCORES at the gpu profile's sizes
     (the float64 backward on the host is their cost), and can still be 4096 long."""
@@ -125,7 +151,8 @@ def test_the_gradient_properties_draw_at_most_grad_max_scores():
     from conformance.test_gradients import cases
     from verify.adapters import Implementation, Supports
 
-    impl = Implementation("any", lambda *a, **k: None, Supports(dtypes=("float32",), max_head_dim=256))
+    impl = Implementation("any", lambda *a, **k: None,
+                          Supports(dtypes=("float32",), max_head_dim=256))
     drawn = []
 
     @settings(max_examples=80, database=None, deadline=None)

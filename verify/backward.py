@@ -19,7 +19,7 @@ from dataclasses import replace
 import numpy as np
 
 from reference.dtypes import cast
-from .cases import POISONS, Case, battery, poison_rows, visibility
+from .cases import POISONS, SPREAD, Case, battery, ladder, poison_rows, visibility
 from .criterion import judge_backward
 from .report import CaseResult
 
@@ -30,6 +30,8 @@ DOUTS = {
     "strided": "standard normal values in a non-contiguous view",
     "relayout": "the strided view, after a call with dout contiguous at the same shapes (a "
                 "plan cached by shape must not read the view by the first call's layout)",
+    "heads": "standard normal values, each (batch, head) times its own 2^e, e over "
+             "cases.SPREAD[dtype] binades (a loss that weighs heads apart)",
 }
 GRADS = ("dq", "dk", "dv")
 
@@ -53,6 +55,7 @@ def backward_battery(suite="quick", dtypes=None, max_head_dim=256):
         add(f"N = {n}, scores x16", Nq=n, Nk=n, values="scaled", causal="bottom_right")
     for kind in ("large", "tiny", "strided"):
         add(f"dout {kind}", dout=kind)
+    add(f"dout heads 2^{SPREAD[dtype]} apart", dout="heads", Hq=4, Hk=4)
     add("dout strided after contiguous", dout="relayout", Nq=34, Nk=41)  # shapes of its own
     add("GQA 4:1 with a mask", Hq=8, Hk=2, mask="random")
     add("GQA 4:1, Dv != D, causal", Hq=8, Hk=2, Dv=24, causal="top_left")
@@ -70,6 +73,9 @@ def make_dout(case, seed):
     rng = np.random.default_rng([seed, 0xD0])
     dout = rng.standard_normal((case.B, case.Hq, case.Nq, case.Dv))
     dout *= {"large": 1e3, "tiny": 1e-3}.get(case.dout, 1.0)
+    if case.dout == "heads":
+        e = ladder(rng, case.B * case.Hq, SPREAD[case.dtype])
+        dout *= 2.0 ** e.reshape(case.B, case.Hq, 1, 1)
     return cast(dout, case.dtype)
 
 

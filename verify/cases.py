@@ -172,16 +172,16 @@ def _values(case, rng, q, k, v):
     if kind in ("heads-held", "heads-free", "batch-held", "batch-free"):
         axis = 1 if kind.startswith("heads") else 0
         n = case.Hk if axis else case.B
-        e, f = (_ladder(rng, n, SPREAD[case.dtype]) for _ in range(2))
+        e, f = (ladder(rng, n, SPREAD[case.dtype]) for _ in range(2))
         e_q = np.repeat(e, group) if axis else e  # a query head takes its key head's
-        e_k = -e if kind.endswith("held") else _ladder(rng, n, SPREAD[case.dtype])
+        e_k = -e if kind.endswith("held") else ladder(rng, n, SPREAD[case.dtype])
         shape = (-1, 1, 1, 1) if axis == 0 else (1, -1, 1, 1)
         return (q * 2.0 ** e_q.reshape(shape), k * 2.0 ** e_k.reshape(shape),
                 v * 2.0 ** f.reshape(shape))
     if kind == "rows":
-        return q * 2.0 ** _ladder(rng, case.Nq, SPREAD[case.dtype])[:, None], k, v
+        return q * 2.0 ** ladder(rng, case.Nq, SPREAD[case.dtype])[:, None], k, v
     if kind == "keys":
-        e = _ladder(rng, case.Nk, SPREAD[case.dtype])[:, None]
+        e = ladder(rng, case.Nk, SPREAD[case.dtype])[:, None]
         return q, k * 2.0 ** e, v * 2.0 ** -e
     if kind == "outliers":
         q, k, v = q.copy(), k.copy(), v.copy()
@@ -210,7 +210,7 @@ def _values(case, rng, q, k, v):
     return q * a, k * b, v * c
 
 
-def _ladder(rng, n, spread):
+def ladder(rng, n, spread):
     """n exponents evenly spaced over `spread` binades around 0, in random order."""
     steps = np.linspace(-spread / 2, spread / 2, n) if n > 1 else np.zeros(1)
     return rng.permutation(np.round(steps))

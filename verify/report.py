@@ -73,8 +73,9 @@ class Report:
 
     @property
     def passed(self):
-        """True when no case failed and at least one case passed. (Skipped cases, for want of
-        memory or after a hang, are listed; a hang is itself a failure.)"""
+        """True when no case failed and at least one case passed, or when a replay found no
+        failed case to run. (Skipped cases, for want of memory or after a hang, are listed;
+        a hang is itself a failure.)"""
         return not self.failures and (self.nothing_to_replay
                                       or any(c.verdict == "pass" for c in self.cases))
 
