@@ -12,35 +12,31 @@ traces their shapes through the fake implementations, never into Numba):
 The forward saves q, k, v, out and lse; the backward runs the backward kernels
 (backward.py). A gradient flowing into lse (return_lse=True, lse used in the loss) is
 folded into delta: dS = P * (dP - (delta - dlse)), since d lse_i / d s_ij = P_ij. mask and
-kv_lengths get no gradient; a bias that requires one is refused (the kernels compute none). CPU tensors are copied to the device and back, as
-NumPy arrays are (so the CUDA simulator runs this too).
+kv_lengths get no gradient; a bias that requires one is refused (the kernels compute none).
+CPU tensors are copied to the device and back, as NumPy arrays are (so the CUDA simulator
+runs this too).
 """
 from typing import Optional
 
 import torch
 
 from reference.dtypes import dtype_name, numpy_dtype, torch_dtype
+from .arrays import on_device
+from .backward import flash_attention_backward
+from .forward import forward
+from .plan import BACKWARD_KERNEL, kernel_plan
 
 Tensor = torch.Tensor
-
-
-@torch._dynamo.assume_constant_result
-def float32_matmul_precision():
-    """torch.get_float32_matmul_precision(), read as a constant under torch.compile (its value
-    when the graph is traced)."""
-    return torch.get_float32_matmul_precision()
 
 
 def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
               window=None, return_lse=False, num_splits=None, kernel="auto", precision=None):
     """flash_attention's forward through the operator (same arguments and results). The
-    precision and the kernel are chosen here, once (api.kernel_plan, PyTorch's precision
+    precision and the kernel are chosen here, once (plan.kernel_plan, PyTorch's precision
     setting when None), and the backward follows them: a "simt" forward's gradients come
     from the "tuned" kernels, an "mma" forward's from the tensor cores, whose scores are the
     forward's bit for bit (at large scores, other scores than the ones the forward's lse was
     made from give P far from exp(S - lse): docs/findings.md, bug 10)."""
-    from .api import kernel_plan
-
     plan = kernel_plan(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                        kv_lengths=kv_lengths, window=window, num_splits=num_splits,
                        kernel=kernel, precision=precision)  # the contract's errors first
@@ -58,9 +54,6 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_len
     return (out, lse) if return_lse else out
 
 
-BACKWARD_KERNEL = {"mma": "mma", "simt": "tuned"}  # the forward's kernel -> the backward's
-
-
 def _options(mask, bias, kv_lengths, scale, causal, window, num_splits=None, kernel=None,
              precision=None):
     """The operator's arguments as flash_attention's keywords."""
@@ -76,11 +69,9 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Op
                kv_lengths: Optional[Tensor], scale: Optional[float], causal: str,
                window: Optional[list[int]], num_splits: Optional[int],
                kernel: str, precision: str) -> tuple[Tensor, Tensor]:
-    from .api import forward
-
     opts = _options(mask, bias, kv_lengths, scale, causal, window, num_splits, kernel,
                     precision)
-    return _on_device(forward, (q, k, v), opts, return_lse=True)
+    return on_device(forward, (q, k, v), opts, return_lse=True)
 
 
 @_attention.register_fake
@@ -96,11 +87,9 @@ def _attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tenso
                         scale: Optional[float], causal: str,
                         window: Optional[list[int]], kernel: str,
                         precision: str) -> tuple[Tensor, Tensor, Tensor]:
-    from .backward import flash_attention_backward
-
     opts = _options(mask, bias, kv_lengths, scale, causal, window, kernel=kernel,
                     precision=precision)
-    return _on_device(flash_attention_backward, (q, k, v, out, lse, dout.contiguous()),
+    return on_device(flash_attention_backward, (q, k, v, out, lse, dout.contiguous()),
                       dict(opts, dlse=dlse))
 
 
@@ -125,30 +114,6 @@ def _backward(ctx, dout, dlse):
 
 
 _attention.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _on_device(fn, arrays, options, **kw):
-    """fn(*arrays, **options, **kw) on CUDA tensors as they are; CPU tensors go as NumPy
-    arrays (bfloat16 through ml_dtypes) and come back as tensors."""
-    if arrays[0].is_cuda:
-        return fn(*arrays, **options, **kw)
-    to_np = {name: _numpy(x) for name, x in options.items() if isinstance(x, Tensor)}
-    result = fn(*(_numpy(x) for x in arrays), **dict(options, **to_np), **kw)
-    return tuple(_tensor(x) for x in result)
-
-
-def _numpy(x):
-    x = x.detach().contiguous()
-    if x.dtype == torch.bfloat16:
-        return x.view(torch.int16).numpy().view(numpy_dtype("bfloat16"))
-    return x.numpy()
-
-
-def _tensor(x):
-    name = dtype_name(x)
-    if name == "bfloat16":
-        return torch.from_numpy(x.view("int16").copy()).view(torch_dtype(name))
-    return torch.from_numpy(x.copy())
 
 
 def wanted(q, k, v, bias=None):

@@ -3,18 +3,18 @@ on tensor cores, for 16-bit inputs; flash_bwd.py, tuned SIMT; plain_bwd.py, one 
 or row), with flash_attention's arguments, checks and array handling."""
 import numpy as np
 
-from reference.contract import _shape4
-from reference.dtypes import dtype_name
-from .api import _band, _begin, _halves, _plan_for, _side_inputs, resolve_precision
-from .flash_fwd import kernel_args
-from .launch import launch
-from .plain_bwd import (DELTA_ARGS, DELTA_THREADS, DKDV_ARGS, DQ_ARGS, plain_bwd_kernel)
-from .plain_fwd import plain_tiles
+from reference.contract import array_dtype, shape4
+from .arrays import band, begin, dtype_of, is_cpu_tensor, on_device, shares_memory, side_inputs
+from .common import DELTA_ARGS, DKDV_ARGS, DQ_ARGS, kernel_args
 from .flash_bwd import BwdSpec, bwd_width
-from .flash_mma import mma_width
-from .flash_mma_bwd import (BLOCK as MMA_BLOCK, FLAG_ROWS, MMA_DKDV_ARGS,
-                            MMA_DQ_ARGS, SCAN_THREADS, THREADS as MMA_THREADS, MmaBwdSpec,
-                            ScanSpec, kv_parts, mma_bwd_kernel, scan_kernel)
+from .flash_mma_bwd import (BLOCK as MMA_BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec,
+                            kv_parts, mma_bwd_kernel)
+from .launch import launch
+from .mma_parts import THREADS as MMA_THREADS, mma_width
+from .plain_bwd import DELTA_THREADS, plain_bwd_kernel
+from .plain_fwd import plain_tiles
+from .plan import backward_plan, resolve_precision
+from .prepass import flag_prepass, halves_prepass
 from .specs import pad, tuned_bwd_kernel
 
 
@@ -32,9 +32,9 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     d lse_i / d s_ij = P_ij, it enters as delta - dlse (dS = P * (dP - delta + dlse)).
     kernel: "auto" (the default, the same choice as flash_attention's "auto" forward at the
     same precision: "mma" where it applies, float32 too at precision "high" from 64 query
-    rows without a mask or bias (api.float32_why_not), else "tuned"), "mma"
+    rows without a mask or bias (plan.float32_why_not), else "tuned"), "mma"
     (flash_mma_bwd.py: tensor cores, float16 and bfloat16, and float32 as two float16
-    halves a value (halves.py: products of about 22 bits; PERF.md has their speed); head
+    halves a value (halves.py: products of about 22 bits); head
     dims multiples of 8 up to 128, float32 with a
     mask or bias up to 64; ValueError where it does not apply; float32's scores are the
     forward's bit for bit when out and lse came from flash_attention(kernel="mma"): after
@@ -47,29 +47,35 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     precision: as flash_attention's ("highest", "high", or None: PyTorch's float32 matmul
     precision for torch tensors, else "highest").
     """
-    if kernel not in KERNELS and kernel != "auto":
-        raise ValueError(f"kernel must be one of {sorted(KERNELS) + ['auto']}, got {kernel!r}")
-    pb, io, _, _ = _begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
-    _check_saved(pb, out, lse, dout)
+    if is_cpu_tensor(q):  # through NumPy, as flash_attention takes them
+        return on_device(flash_attention_backward, (q, k, v, out, lse, dout), dict(
+            scale=scale, causal=causal, mask=mask, bias=bias, kv_lengths=kv_lengths,
+            window=window, dlse=dlse, kernel=kernel,
+            precision=resolve_precision(precision, q, kernel, dtype_of(q))))
+    pb, io, _, _ = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window, out=out,
+                         lse=lse, dout=dout, dlse=dlse)
+    _check_saved(pb, dict(q=q, k=k, v=v), dict(out=out, lse=lse, dout=dout, dlse=dlse))
     has_mask = mask is not None or bias is not None
     precision = resolve_precision(precision, q, kernel, pb.dtype)
-    if kernel in ("auto", "mma"):  # the forward's choice, so that the two passes agree
-        # ("mma" where it does not apply, or where the halves cannot hold the values: a
-        # ValueError saying why)
-        plan = _plan_for(pb, kernel, None, has_mask, precision,
-                         dict(q=q, k=k, v=v, dout=dout))
-        kernel = "mma" if plan.kernel == "mma" else "tuned"
+    kernel = backward_plan(pb, kernel, has_mask, precision, dict(q=q, k=k, v=v, dout=dout))
+    return _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, kernel)
+
+
+def _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, kernel):
+    """(dq, dk, dv) of a checked call from the backward kernel `kernel`, after the delta
+    kernel (delta = rowsum(dout * out), minus dlse)."""
+    has_mask = mask is not None or bias is not None
     dq = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.d), pb.dtype)
     dk = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.d), pb.dtype)
     dv = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.dv), pb.dtype)
     if pb.batch * pb.heads_k * pb.n_k == 0 and pb.batch * pb.heads_q * pb.n_q == 0:
         return io.result(dq), io.result(dk), io.result(dv)
     width = pad(max(pb.d, pb.dv))
-    mask_dev, bias_dev, lengths, steps = _side_inputs(io, pb, mask, bias, kv_lengths)
+    mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
     named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, bias=bias_dev,
                  kv_lengths=lengths, dout=io.dev(dout), lse_in=io.dev(lse),
                  delta=io.empty((pb.batch, pb.heads_q, pb.n_q), "float32"), n_q=pb.n_q,
-                 group=pb.group, scale=np.float32(pb.scale), **_band(pb), **steps)
+                 group=pb.group, scale=np.float32(pb.scale), **band(pb), **steps)
     named["delta"] = io.dev(named["delta"])
     bh_q = pb.batch * pb.heads_q
     if bh_q * pb.n_q:
@@ -78,7 +84,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
                *_ordered(DELTA_ARGS, dict(named, out=io.dev(out))))
         if dlse is not None:
             named["delta"] = _minus(io, named["delta"], dlse)
-    KERNELS[kernel](pb, io, named, dict(dq=io.dev(dq), dk=io.dev(dk), dv=io.dev(dv)),
+    LAUNCHES[kernel](pb, io, named, dict(dq=io.dev(dq), dk=io.dev(dk), dv=io.dev(dv)),
                     width, has_mask)
     return io.result(dq), io.result(dk), io.result(dv)
 
@@ -118,9 +124,9 @@ def _mma(pb, io, named, grads, width, has_mask):
     dout into float16 halves): each kernel's fast variant, then its nonfinite variant for
     the blocks the fast one deferred (most often none: its blocks return at once)."""
     if pb.dtype == "float32":
-        named, flags = _halves(io, named)
+        named, flags = halves_prepass(io, named)
     else:
-        flags = {f"{name}_flags": _flags(io, pb, named[name]) for name in ("q", "dout", "k")}
+        flags = {f"{name}_flags": flag_prepass(io, pb, named[name]) for name in ("q", "dout", "k")}
         flags["factors"] = io.flat(named["delta"])  # not read by the 16-bit variants
     kv = tuple((part, pb.n_k, pb.heads_k, MMA_DKDV_ARGS, ("dk", "dv"))
                for part in kv_parts(pb.dtype, mma_width(pb.d), mma_width(pb.dv), has_mask))
@@ -137,21 +143,7 @@ def _mma(pb, io, named, grads, width, has_mask):
                    io.stream, *_ordered(args, values), shared=spec.dynamic_shared_bytes)
 
 
-KERNELS = {"plain": _plain, "tuned": _tuned, "mma": _mma}
-
-
-def _flags(io, pb, x):
-    """(B, H, rows / FLAG_ROWS) uint8 on the device: 1 where FLAG_ROWS rows of x (16-bit,
-    C-contiguous on the device, an even last dim) hold a NaN or an inf (flash_mma_bwd's
-    pre-pass; no wait for it)."""
-    batch, heads, rows, width = x.shape
-    tiles = -(-rows // FLAG_ROWS)
-    flags = io.scratch((batch, heads, max(tiles, 1)))
-    if batch * heads * rows:
-        scan = ScanSpec(pb.dtype)
-        launch(scan_kernel(scan), scan, (tiles, batch * heads), SCAN_THREADS, io.stream,
-               io.words(x), flags, rows, width // 2)
-    return flags
+LAUNCHES = {"plain": _plain, "tuned": _tuned, "mma": _mma}  # each backward kernel's launches
 
 
 def _minus(io, delta, dlse):
@@ -171,17 +163,30 @@ def _ordered(args, named):
     return kernel_args(names, **{n: named[n] for n in names})
 
 
-def _check_saved(pb, out, lse, dout):
-    """out, lse and dout as flash_attention returned and takes them, or a clear error."""
+def _check_saved(pb, inputs, saved):
+    """out, lse, dout and dlse (`saved`) as flash_attention returned and takes them, none of
+    them sharing memory with q, k or v (`inputs`), or a clear error."""
     want = {"out": (pb.batch, pb.heads_q, pb.n_q, pb.dv),
             "dout": (pb.batch, pb.heads_q, pb.n_q, pb.dv)}
-    for name, x in (("out", out), ("dout", dout)):
-        got = _shape4(name, x, "(B, Hq, Nq, Dv)")
+    for name in ("out", "dout"):
+        x = saved[name]
+        got = shape4(name, x, "(B, Hq, Nq, Dv)")
         if got != want[name]:
             raise ValueError(f"{name} must have shape (B, Hq, Nq, Dv)={want[name]}, got {got}")
-        if dtype_name(x) != pb.dtype:
-            raise TypeError(f"{name} must have q's dtype {pb.dtype}, got {dtype_name(x)}")
-    shape = tuple(getattr(lse, "shape", ()))
-    if shape != want["out"][:3] or dtype_name(lse) != "float32":
-        raise ValueError(f"lse must be the forward's float32 (B, Hq, Nq)={want['out'][:3]}, "
-                         f"got shape {shape} dtype {dtype_name(lse) if shape else None}")
+        if array_dtype(x) != pb.dtype:
+            raise TypeError(f"{name} must have q's dtype {pb.dtype}, got {array_dtype(x)}")
+    for name in ("lse", "dlse"):
+        x = saved[name]
+        if x is None and name == "dlse":
+            continue
+        shape = tuple(getattr(x, "shape", ()))
+        dtype = array_dtype(x) if hasattr(x, "dtype") else type(x).__name__
+        if shape != want["out"][:3] or dtype != "float32":
+            raise ValueError(f"{name} must be a float32 array of shape (B, Hq, Nq)="
+                             f"{want['out'][:3]} (the forward's lse, or its gradient), got "
+                             f"shape {shape} dtype {dtype}")
+    for name, x in saved.items():
+        for input_name, y in inputs.items():
+            if x is not None and shares_memory(x, y):
+                raise ValueError(f"{name} shares memory with {input_name}: pass what "
+                                 f"flash_attention returned for these inputs")

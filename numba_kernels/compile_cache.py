@@ -1,9 +1,9 @@
 """Compiled kernels kept on disk between processes, and compiled ahead of a run on every core.
 
-A kernel variant takes seconds to compile (NVVM), at its first launch in each process: on the
-H200, 59 variants were 237 s of a 352 s `pytest conformance --profile gpu`. So every kernel
-is made by `jit(fn, key)`, which gives it Numba's disk cache: a later process loads the
-compiled code (a cubin for the GPU's compute capability) instead of compiling it again.
+A kernel variant takes seconds to compile (NVVM), at its first launch in each process: most of
+a first `pytest conformance` on a GPU machine. So every kernel is made by `jit(fn, key)`,
+which gives it Numba's disk cache: a later process loads the compiled code (a cubin for the
+GPU's compute capability) instead of compiling it again.
 
 What keeps the cache sound is where each variant lives and what it is filed under:
 - each variant has a folder of its own: FLASH_KERNEL_CACHE (default
@@ -16,16 +16,12 @@ What keeps the cache sound is where each variant lives and what it is filed unde
   file in its folder: Numba's index of a folder is not safe against concurrent writers.
 FLASH_KERNEL_CACHE=off turns the cache off. The simulator compiles nothing and caches nothing.
 
-warm(specs) compiles variants before a run needs them, on every core (conformance does this
-through an implementation's warm hook: verify.adapters' numba adapters): worker processes
-compile them into the cache, and the run's own first launches load them.
+warm.py compiles variants into it before a run needs them, on every core.
 """
 import hashlib
 import os
 import sys
-import time
 import weakref
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from functools import lru_cache
 
@@ -40,9 +36,9 @@ SOURCES = ("numba_kernels/flash_fwd.py", "numba_kernels/flash_bwd.py",
            "numba_kernels/plain_fwd.py", "numba_kernels/plain_bwd.py", "numba_kernels/convert.py",
            "numba_kernels/specs.py", "numba_kernels/split_kv.py", "numba_kernels/flash_mma.py",
            "numba_kernels/flash_mma_bwd.py", "numba_kernels/halves.py", "numba_kernels/warp.py",
-           "numba_kernels/numba_internals.py",
-           "numba_kernels/compile_cache.py", "reference/contract.py", "reference/_xp.py",
-           "reference/dtypes.py")
+           "numba_kernels/numba_internals.py", "numba_kernels/common.py",
+           "numba_kernels/schedule.py", "numba_kernels/mma_parts.py",
+           "numba_kernels/compile_cache.py", "reference/bands.py", "reference/dtypes.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FOLDERS = weakref.WeakKeyDictionary()  # kernel -> its cache folder
 
@@ -89,6 +85,11 @@ def jit(fn, key, fastmath):
     return kernel
 
 
+def folder_of(kernel):
+    """The cache folder `kernel` (made by jit) is kept in, or None where it is not kept."""
+    return _FOLDERS.get(kernel)
+
+
 @contextmanager
 def compiling(kernel):
     """Around a call that may compile `kernel`: the only process doing so for its variant."""
@@ -102,53 +103,3 @@ def compiling(kernel):
     with open(os.path.join(folder, "lock"), "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when f closes
         yield
-
-
-def warm(specs, jobs=None, say=None):
-    """Compile `specs` (any of specs.gate_specs(): kernel variants, merge kernels by dtype)
-    into the disk cache, with the argument types every launch passes (specs.compiled), on
-    `jobs` processes (default: every core), skipping those compiled there before.
-    say(line): progress. Returns the number compiled now."""
-    if SIMULATOR or cache_root() is None:
-        return 0
-    cc = cuda.get_current_device().compute_capability
-    todo = [s for s in dict.fromkeys(specs) if not _warmed(s, cc)]
-    if not todo:
-        return 0
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo)))
-    if say:
-        say(f"compiling {len(todo)} kernel variants on {jobs} processes, once for this "
-            f"machine (kept in {cache_root()})")
-    import multiprocessing
-
-    t0 = time.perf_counter()
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        for done, _ in enumerate(pool.map(_warm_one, todo), 1):
-            if say and (done % 10 == 0 or done == len(todo)):
-                say(f"  {done}/{len(todo)} compiled ({time.perf_counter() - t0:.0f} s)")
-    return len(todo)
-
-
-def _marker(kernel, cc):
-    """The file that says `kernel` was warmed for cc, in its cache folder (None: not cached)."""
-    folder = _FOLDERS.get(kernel)
-    return folder and os.path.join(folder, f"warm-sm{cc[0]}{cc[1]}")
-
-
-def _warmed(spec, cc):
-    """Whether `spec` needs no warming: compiled for cc before, or not kept on disk at all."""
-    from .specs import compiled
-
-    marker = _marker(compiled(spec)[0], cc)
-    return marker is None or os.path.exists(marker)
-
-
-def _warm_one(spec):
-    """In a worker process: compile `spec` into the cache."""
-    from .specs import compiled
-
-    kernel, types = compiled(spec)
-    with compiling(kernel):
-        kernel.compile(types)
-    open(_marker(kernel, cc=cuda.get_current_device().compute_capability), "w").close()
-    return spec

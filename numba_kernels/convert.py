@@ -46,10 +46,10 @@ if SIMULATOR:
     def load4(words, i):
         return words[i], words[i + 1], words[i + 2], words[i + 3]
 
-    def _bits_to_float(bits):
+    def bits_to_float(bits):
         return np.uint32(bits & 0xFFFFFFFF).view(np.float32)
 
-    def _float_to_bits(x):
+    def float_to_bits(x):
         return int(np.float32(x).view(np.uint32))
 
 else:
@@ -83,24 +83,24 @@ else:
         return quad(words, i), codegen
 
     @device_function
-    def _bits_to_float(bits):
+    def bits_to_float(bits):
         return libdevice.int_as_float(int32(bits))
 
     @device_function
-    def _float_to_bits(x):
+    def float_to_bits(x):
         return int64(libdevice.float_as_int(x)) & 0xFFFFFFFF
 
 
 @device_function
 def bf16_to_float(bits):
     """A bfloat16 bit pattern (int16 or uint16) as float32: the pattern is the top half."""
-    return _bits_to_float((int64(bits) & 0xFFFF) << 16)
+    return bits_to_float((int64(bits) & 0xFFFF) << 16)
 
 
 @device_function
 def float_to_bf16(x):
     """float32 -> bfloat16 bits, round to nearest even, NaN kept NaN (as the hardware does)."""
-    u = _float_to_bits(x)
+    u = float_to_bits(x)
     rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
     quiet_nan = (u >> 16) | 0x40
     # A select, not a branch: a branch in the output loop stops the compiler from unrolling

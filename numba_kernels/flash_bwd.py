@@ -42,22 +42,21 @@ from dataclasses import dataclass
 
 from numba import cuda
 
+from reference.dtypes import KERNEL_DTYPES
 from .convert import float32, int64, uint64, CONVERTERS
-from .flash_fwd import (DYNAMIC_SHARED_LIMIT, NO_PART, STATIC_SHARED_LIMIT, VEC,
-                        check_parameters, kernel_part, key_range_device, make_masked_score,
-                        make_pv, make_scores, takes_part, tile_loader)
-from .plain_bwd import DKDV_ARGS, DQ_ARGS
-
-NEG_INF, ZERO = float32(-math.inf), float32(0.0)
-LOG2E = float32(1.4426950408889634)
+from .common import (DKDV_ARGS, DQ_ARGS, DYNAMIC_SHARED_LIMIT, F_LOG2E, NEG_INF, NO_PART,
+                     STATIC_SHARED_LIMIT, ZERO, check_parameters, kernel_part,
+                     make_masked_score, takes_part)
+from .flash_fwd import VEC, make_pv, make_scores, tile_loader
+from .schedule import key_range_device
 
 # padded width -> part -> (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N), read when a call makes
 # its BwdSpec. Head dims are zero-padded to one of these three widths (as for plain_bwd.py):
 # fewer variants to compile, FLOPs spent on zeros for the others. Each kernel keeps 64 rows
 # (dq) or keys (dkdv) resident and walks the other side 64 (32 at width 256) at a time, with
 # 4 x 4 register micro-tiles (4 x 8 at width 64); the tiles take 105-218 KB of dynamic shared
-# memory, one or two blocks an SM (scripts/dev/backward_tiles.py measured these against the
-# 16 x 16 tiles that fit 48 KB of static shared memory: PERF.md).
+# memory, one or two blocks an SM (faster on the H200 than the 16 x 16 tiles that fit 48 KB
+# of static shared memory).
 TILES = {64: dict(dkdv=(64, 64, 8, 16), dq=(64, 64, 8, 16)),
          128: dict(dkdv=(64, 64, 16, 16), dq=(64, 64, 16, 16)),
          256: dict(dkdv=(32, 64, 16, 16), dq=(64, 32, 16, 16))}
@@ -164,7 +163,7 @@ def load_row_stats(words, lse_in, delta, b, h, start_m, n_q, lse_at, delta_at, b
     r = cuda.threadIdx.x
     if r < block_m:
         ok = start_m + r < n_q
-        words[lse_at + uint64(r)] = lse_in[b, h, start_m + r] * LOG2E if ok else ZERO
+        words[lse_at + uint64(r)] = lse_in[b, h, start_m + r] * F_LOG2E if ok else ZERO
         words[delta_at + uint64(r)] = delta[b, h, start_m + r] if ok else ZERO
 
 
@@ -443,7 +442,7 @@ def dq_kernel_source(spec):
         for i in range(TQ):
             row = start_m + ty + i * THREADS_M
             ok = row < n_q
-            lse_i[i] = lse_in[b, h, row] * LOG2E if ok else ZERO
+            lse_i[i] = lse_in[b, h, row] * F_LOG2E if ok else ZERO
             delta_i[i] = delta[b, h, row] if ok else ZERO
             lo[i], hi[i] = key_range_device(row, n_q, kv_len, left, right, bottom_right)
             for j in range(TD):
@@ -483,7 +482,5 @@ def bwd_kernel_source(spec):
 
 def bwd_specs():
     """Every variant a call can select: the PTX gate compiles each."""
-    from .specs import DTYPES
-
     return [BwdSpec(part, w, w, dtype, m).check() for part in ("dkdv", "dq")
-            for w in TILES for dtype in DTYPES for m in (False, True)]
+            for w in TILES for dtype in KERNEL_DTYPES for m in (False, True)]

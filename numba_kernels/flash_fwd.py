@@ -52,21 +52,12 @@ from dataclasses import dataclass
 
 from numba import cuda
 
-from reference.contract import key_range
-from .convert import float32, int64, uint32, uint64, CONVERTERS, device_function, load4
+from .common import (ARG_NAMES, F_LN2, NEG_INF, NO_PART, STATIC_SHARED_LIMIT, ZERO,
+                     check_parameters, kernel_part, make_masked_score, takes_part)
+from .convert import float32, int64, uint64, CONVERTERS, device_function, load4
+from .schedule import block_program, key_range_device, key_tiles
 
-LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E): exp2 is one ex2.approx instruction
-LN2 = 0.6931471805599453
-# Fused multiply-add, approximate exp2/log2 and reciprocal. Not nnan/ninf: -inf marks masked
-# scores and NaN must propagate, so the compiler may not assume them away.
-FASTMATH = {"contract", "afn", "arcp"}
-STATIC_SHARED_LIMIT = 48 * 1024  # bytes; above it numba-cuda needs dynamic shared memory
-DYNAMIC_SHARED_LIMIT = 227 * 1024  # bytes a block may opt in to on sm_80 / sm_90 (launch.py)
 VEC = 4  # float32 words a 128-bit shared load takes (convert.load4)
-
-key_range_device = device_function(key_range)  # the contract's own code
-# The kernel's parts: inlined device functions with the kernel's fastmath flags.
-kernel_part = device_function(fastmath=FASTMATH)
 
 
 @dataclass(frozen=True)
@@ -192,55 +183,6 @@ def tile_loader(load, ROWS, COLS, THREADS, WIDTH, MAX_BATCH):
     return load_tile
 
 
-# The kernel's arguments, in order: the one description from which its parameter list
-# (checked when it is built), its Numba types (specs.signature) and every launch's argument
-# tuple (kernel_args) come. kind names a Numba type in specs.ARG_TYPES.
-ARGS = (
-    ("q", "input", "(B, Hq, Nq, D) queries"),
-    ("k", "input", "(B, Hk, Nk, D) keys"),
-    ("v", "input", "(B, Hk, Nk, DV) values"),
-    ("mask", "mask", "uint8, 0 hides a key; broadcast by zero strides (all ones if none)"),
-    ("bias", "bias", "float32, added to the scores (natural log); broadcast likewise"),
-    ("kv_lengths", "lengths", "(B,) int32: the keys each batch element has"),
-    ("out", "output", "(B, Hq, Nq, DV); with split-KV (splits * B, ...) float32 partials"),
-    ("lse", "lse", "(B, Hq, Nq) float32, natural log; with split-KV (splits * B, ...)"),
-    ("n_q", "int", "query rows"),
-    ("d", "int", "head dim of q and k before padding to D"),
-    ("dv", "int", "head dim of v before padding to DV"),
-    ("group", "int", "query heads per key head (grouped-query attention)"),
-    ("heads_q", "int", "query heads"),
-    ("n_tiles", "int", "query tiles of BLOCK_M rows per (batch, head)"),
-    ("split_len", "int", "keys per split (split-KV); without it, at least Nk"),
-    ("qk_scale", "float", "the contract's scale times log2(e): scores in log2 units"),
-    ("left", "int", "key_range's window to the left (-1: none)"),
-    ("right", "int", "key_range's window to the right (-1: none)"),
-    ("bottom_right", "int", "1: the causal band and window align to the last key"),
-    ("mask_steps", "steps", "index multipliers of mask over (batch, head, row, key): 0 where it "
-     "broadcasts, else 1"),
-    ("bias_steps", "steps", "the same for bias"),
-)
-ARG_NAMES = tuple(name for name, _, _ in ARGS)
-
-
-def kernel_args(names=ARG_NAMES, **values):
-    """A launch's arguments in the order of `names` (a kernel's ARG_NAMES), from keywords;
-    a missing or unknown name is an error, never a shifted argument."""
-    if set(values) != set(names):
-        raise TypeError(f"kernel arguments: missing {sorted(set(names) - set(values))}, "
-                        f"unknown {sorted(set(values) - set(names))}")
-    return tuple(values[name] for name in names)
-
-
-def check_parameters(fn, names):
-    """The kernel function `fn` takes exactly `names`, in order."""
-    import inspect
-
-    got = tuple(inspect.signature(fn).parameters)
-    if got != names:
-        raise TypeError(f"{fn.__name__} takes {got}; its ARGS say {names}")
-    return fn
-
-
 def sizes(spec):
     """The compile-time sizes of variant `spec`, by the names the device functions use."""
     spec.check()
@@ -253,141 +195,6 @@ def sizes(spec):
         V_GROUP=VEC if TV % VEC == 0 else 1,  # output columns a thread owns side by side
         WIDTHS=spec.widths, OFFSETS=tuple(uint64(x) for x in spec.offsets[:4]),
         HAS_MASK=spec.has_mask)
-
-
-def launch_order(block, n_tiles, n_bh, causal):
-    """(bh, rank) of the block-th block launched in a grid of n_bh x n_tiles blocks: its
-    (split, batch, head) index bh and the rank of its tile. Consecutive blocks share a bh,
-    so its K and V stay in L2, tile ranks 0, 1, ... in turn. Under a causal band (causal:
-    right >= 0) tiles of rank 0 walk the most keys (the last query tile, the first key
-    tile), so the blocks run rank by rank across every bh instead: the longest blocks of
-    every head start first and none of them runs last. (Head by head, the last head's
-    longest blocks would start near the end of the grid and run alone.)"""
-    if causal:
-        return block % n_bh, block // n_bh
-    return block // n_tiles, block % n_tiles
-
-
-launch_order_device = device_function(launch_order)  # plain arithmetic: tested on the host
-
-
-@device_function
-def grid_order(causal):
-    """launch_order for a 2-D grid of (tiles, bh) blocks, blockIdx.x the fastest (the order
-    in which the GPU starts them). Divided in 32-bit arithmetic (a 64-bit division is a
-    subroutine call, and with it the D = 128 tensor-core forward took 225 registers instead
-    of 166), returned as int64 (unsigned values would wrap in the kernels' differences)."""
-    n_tiles = uint32(cuda.gridDim.x)
-    bh, rank = launch_order_device(uint32(cuda.blockIdx.y) * n_tiles + uint32(cuda.blockIdx.x),
-                                   n_tiles, uint32(cuda.gridDim.y), causal)
-    return int64(bh), int64(rank)
-
-
-GROUP_BLOCKS = 1024  # grouped_order: blocks of a group of whole heads, at most
-
-
-def group_size(n_tiles, group_blocks, one):
-    """The bh's of a group in grouped_order: as many whole heads' tiles as group_blocks
-    holds, at least one. group_blocks and one come in n_tiles' type (32-bit in
-    grid_order_grouped: with a literal 1, Numba's typing turns unsigned arithmetic into
-    float64)."""
-    return max(group_blocks // n_tiles, one)
-
-
-def grouped_order(block, n_tiles, n_bh, causal, group):
-    """launch_order with the bh's in groups of `group` (group_size) under a causal band:
-    rank by rank across a group, one group after the other. The longest blocks of each head
-    still start first, and a group's K and V, GROUP_BLOCKS tiles' worth at most (of 64 rows
-    at D = 128: 32 MB), stay in the L2 while it runs, where every head's at once would not
-    (64 heads of 8192 keys at D = 64: 128 MB). The tensor-core forward takes it (PERF.md,
-    m5: 0.93 of launch_order's time there); the backward kept launch_order (its D = 64
-    kernels took 1.14-1.18 times as long with this one, without a band too)."""
-    if causal:
-        start = block // (group * n_tiles) * group  # the group's first bh
-        within = block - start * n_tiles
-        in_group = min(group, n_bh - start)  # the last group may be smaller
-        return start + within % in_group, within // in_group
-    return block // n_tiles, block % n_tiles
-
-
-group_size_device = device_function(group_size)
-grouped_order_device = device_function(grouped_order)
-
-
-@device_function
-def grid_order_grouped(causal):
-    """grid_order in grouped_order, in the same 32-bit arithmetic."""
-    n_tiles = uint32(cuda.gridDim.x)
-    group = group_size_device(n_tiles, uint32(GROUP_BLOCKS), uint32(1))
-    bh, rank = grouped_order_device(uint32(cuda.blockIdx.y) * n_tiles
-                                    + uint32(cuda.blockIdx.x), n_tiles,
-                                    uint32(cuda.gridDim.y), causal, group)
-    return int64(bh), int64(rank)
-
-
-@device_function
-def block_program(n_tiles, right, batch, heads_q):
-    """(split, b, h, tile) of this thread block of a 1-D grid over (split, batch, head, query
-    tile), in launch_order: the last query tile of a head first."""
-    bh, rank = launch_order_device(int64(cuda.blockIdx.x), n_tiles,
-                                   int64(cuda.gridDim.x) // n_tiles, right >= 0)
-    tile = n_tiles - 1 - rank
-    return bh // (batch * heads_q), bh // heads_q % batch, bh % heads_q, tile
-
-
-@device_function
-def key_tiles(start_m, last_row, n_q, kv_len, left, right, bottom_right, split, split_len,
-              block_n):
-    """(first, last, lo_last, hi_first): the keys first <= j < last that rows start_m ..
-    last_row can see, first rounded down to a tile of block_n keys, and the band
-    lo_last <= j < hi_first that every one of them sees. key_range is monotone in the row, so
-    the first and last rows bound them: tiles outside the causal band or window are never
-    visited. With split-KV a block sees its own split's keys only."""
-    lo_first, hi_first = key_range_device(start_m, n_q, kv_len, left, right, bottom_right)
-    lo_last, hi_last = key_range_device(last_row, n_q, kv_len, left, right, bottom_right)
-    first = max(max(lo_first, 0) // block_n * block_n, split * split_len)
-    last = min(hi_last, kv_len, (split + 1) * split_len)
-    return first, last, lo_last, hi_first
-
-
-NEG_INF, ZERO = float32(-math.inf), float32(0.0)
-F_LN2, F_LOG2E = float32(LN2), float32(LOG2E)
-# P of a (row, key) pair that takes no part (hidden, or a score of -inf): -0.0. Every P that
-# takes part is +0.0 or more (or NaN), so the slow products (a V tile, or in the backward a
-# Q or dO tile, holding a NaN or an inf) tell them apart by the sign: 0 * NaN would be NaN.
-# The fast products add -0.0 * x = -0.0 where x is finite. FASTMATH keeps signed zeros.
-NO_PART = float32(-0.0)
-
-
-@kernel_part
-def takes_part(p):
-    """Whether a pair with probability p takes part (p is not NO_PART)."""
-    return not (p == ZERO and math.copysign(float32(1.0), p) < ZERO)
-
-
-def make_masked_score(z):
-    HAS_MASK = z["HAS_MASK"]
-
-    @kernel_part
-    def masked_score(x, mask, bias, mask_steps, bias_steps, b, h, row, col, lo, hi,
-                     interior, n_q):
-        """x (a scaled score, log2 units) plus the bias if query row `row` sees key `col`,
-        else -inf (the contract: key_range, the mask, bias != -inf). Selected, not added: a
-        NaN score of a hidden key must vanish. interior: the tile is inside every row's
-        band, so lo and hi need no test."""
-        if not (row < n_q and (interior or (col >= lo and col < hi))):
-            return NEG_INF
-        if HAS_MASK:
-            ms, bs = mask_steps, bias_steps  # 0 along broadcast dimensions
-            if mask[b * ms[0], h * ms[1], row * ms[2], col * ms[3]] == 0:
-                return NEG_INF
-            add = bias[b * bs[0], h * bs[1], row * bs[2], col * bs[3]]
-            if add == NEG_INF:
-                return NEG_INF
-            x += add * F_LOG2E
-        return x
-
-    return masked_score
 
 
 def make_init_rows(z):

@@ -47,33 +47,34 @@ from functools import lru_cache
 
 from numba import cuda
 
-from . import warp
-from .convert import CONVERTERS, float32, int64, uint32
-from .flash_fwd import (F_LN2, NEG_INF, NO_PART, ZERO, ARGS, FASTMATH, check_parameters,
-                        grid_order_grouped, kernel_part, key_range_device, key_tiles,
-                        make_masked_score, takes_part)
+from . import halves, warp
+from .common import (ARGS, FASTMATH, F_LN2, NEG_INF, NO_PART, ZERO, check_parameters, kernel_part,
+                     make_masked_score)
 from .compile_cache import jit
+from .convert import CONVERTERS, float32, int64, uint32
+from .mma_parts import (BLOCK_M, BLOCK_N, EXPONENT_BITS, FACTORS, FLAG_ROWS,
+                        MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, WARPS, halves_ship, make_copy_kv,
+                        make_copy_tile, make_load_q_fragments, make_next_tile, make_pv,
+                        make_pv_seen_pairs, make_q_scores, make_scale_and_mask, make_scores,
+                        make_unpacked, own_flagged, tiles_flagged, word_nonfinite)
+from .schedule import grid_order_grouped, key_range_device, key_tiles
 
 DEFERRED = ("deferred", "flags", "(splits * B, Hq, query tiles) uint8: 1 where a block of the "
             "fast variant ended with a row that is not finite (or, float32, its Q or K tiles hold "
             "a NaN or an inf), which the careful one does again")
-FACTORS = ("factors", "factors", "(8,) float32: float32 inputs' scales c_q, c_k, c_v, c_dout "
-           "and their inverses (halves.py); not read for 16-bit inputs")
+
+
 FLAGGED = tuple((f"{n}_flags", "flags", f"(B, H, rows / 32) uint8: 1 where 32 rows of {n} hold "
                  "a NaN or an inf (halves.py's split); not read for 16-bit inputs")
                 for n in ("q", "k")) + (FACTORS, DEFERRED)
+
+
 MMA_ARGS = tuple(x for a in ARGS if a[0] != "n_tiles"
                  for x in (FLAGGED + (a,) if a[0] == "out" else (a,)))  # before out
+
+
 MMA_ARG_NAMES = tuple(name for name, _, _ in MMA_ARGS)
-MMA_DTYPES = ("float16", "bfloat16")  # what mma.sync multiplies
-MMA_INPUT_DTYPES = MMA_DTYPES + ("float32",)  # float32: each value as two float16 halves
-MMA_WIDTHS = (64, 128)  # head dims are zero-padded to one of these
-HALVES_MASK_WIDTH = 64  # float32 with a mask or bias: head dims up to this (above, spills)
-BLOCK_M, WARPS, BLOCK_N = 64, 4, 32
-FLAG_ROWS = BLOCK_N  # rows of q, k or dout a pre-pass flag covers (halves.py, flash_mma_bwd)
-THREADS = 32 * WARPS
 ONE = float32(1.0)
-PAD = 8  # 16-bit values after each shared row
 
 
 @dataclass(frozen=True)
@@ -132,75 +133,12 @@ class MmaSpec:
         return 4 * self.layout["words"] if self.halves else 0
 
 
-def halves_ship(dtype, has_mask, d, dv):
-    """Whether the float32 (halves) kernels, forward and backward alike, take a call: not
-    with a mask or bias above head dims of HALVES_MASK_WIDTH, where the backward's registers
-    spill. One rule for both: the backward's scores are then the forward's, bit for bit."""
-    return not (dtype == "float32" and has_mask and max(d, dv) > HALVES_MASK_WIDTH)
-
-
 def mma_specs():
     """Every variant the PTX report compiles."""
     specs = (MmaSpec(d, dv, dtype, m, p, c).check() for d in MMA_WIDTHS for dv in MMA_WIDTHS
              for dtype in MMA_INPUT_DTYPES for m in (False, True) for p in (False, True)
              for c in (False, True))
     return [s for s in specs if s.ships]
-
-
-def mma_width(d):
-    """The padded width for a head dim d, or None beyond the widest."""
-    return next((w for w in MMA_WIDTHS if w >= d), None)
-
-
-def mma_plan(pb, has_mask=False):
-    """Why the tensor-core kernels do not apply to problem pb (reference.contract's), or
-    None: inputs of MMA_INPUT_DTYPES (float32 as float16 halves), head dims multiples of 8
-    (whole 16-byte copies) up to the widest, float32 with a mask or bias (has_mask) up to
-    HALVES_MASK_WIDTH (halves_ship). The forward and the backward ask the same."""
-    if pb.dtype not in MMA_INPUT_DTYPES:
-        return f"dtype {pb.dtype}: it takes {', '.join(MMA_INPUT_DTYPES)}"
-    if pb.d % 8 or pb.dv % 8 or max(pb.d, pb.dv) > MMA_WIDTHS[-1]:
-        return (f"head dims D={pb.d}, Dv={pb.dv}: it takes multiples of 8 up to "
-                f"{MMA_WIDTHS[-1]}")
-    if not halves_ship(pb.dtype, has_mask, pb.d, pb.dv):
-        return (f"float32 with a mask or bias at head dims D={pb.d}, Dv={pb.dv}: it takes "
-                f"them up to {HALVES_MASK_WIDTH} (above, the halves' kernels spill registers)")
-    return None
-
-
-def make_copy_tile(ROWS, WIDTH, ROW_WORDS):
-    """copy_tile(words, at, x, base, start, n, width): rows start .. start + ROWS of the
-    (n, width) matrix at flat element `base` of x (C-contiguous 16-bit values, width % 8 == 0)
-    to the shared tile at word `at`, 16 bytes a cp.async, zeros past row n and column width.
-    Thread tid copies chunk tid % CHUNKS of rows tid // CHUNKS + p * ROWS_AT_ONCE. Not waited
-    for here."""
-    CHUNKS = WIDTH // 8  # 16-byte pieces a row
-    THREADS = WARPS * 32
-    ROWS_AT_ONCE = THREADS // CHUNKS  # rows the block copies in one pass
-    PASSES = ROWS // ROWS_AT_ONCE
-    assert THREADS % CHUNKS == 0 and ROWS % ROWS_AT_ONCE == 0
-
-    @kernel_part
-    def copy_tile(words, at, x, base, start, n, width):
-        tid = cuda.threadIdx.x
-        r, c = tid // CHUNKS, tid % CHUNKS
-        src = base + (start + r) * width + c * 8  # flat element of pass 0
-        for p in range(PASSES):
-            ok = c * 8 < width and start + r + p * ROWS_AT_ONCE < n
-            warp.cp_async16(words, at + (r + p * ROWS_AT_ONCE) * ROW_WORDS + c * 4, x,
-                            src + p * ROWS_AT_ONCE * width if ok else base, 16 if ok else 0)
-
-    return copy_tile
-
-
-def make_copy_kv(copy_k, copy_v, K_TILE):
-    @kernel_part
-    def copy_kv(words, at, k, v, k_base, v_base, start, n, d, dv):
-        """The K and V tiles of keys start .. start + BLOCK_N to the stage at word `at`."""
-        copy_k(words, at, k, k_base, start, n, d)
-        copy_v(words, at + K_TILE, v, v_base, start, n, dv)
-
-    return copy_kv
 
 
 def make_load_q(copy_q, copy_kv, load_q_fragments, STAGE):
@@ -249,24 +187,6 @@ def head_bases(b, h, hk, heads_q, k, n_q, d, dv):
             (int64(b) * heads_k + hk) * n_k * dv)
 
 
-def make_next_tile(copy_kv, STAGE):
-    @kernel_part
-    def next_tile(words, k, v, k_base, v_base, start_n, last, d, dv, stage):
-        """Wait until the key tile from start_n has landed in `stage` for every warp, then
-        begin copying the next one into the other stage (the forward's and dQ's loops)."""
-        warp.cp_async_wait(0)  # this thread's copies of this tile have landed
-        # Barrier: every thread's copies of this tile have landed, and every warp is done
-        # with the other stage (the previous tile, or the forward's Q), which the next copy
-        # overwrites.
-        cuda.syncthreads()
-        if start_n + BLOCK_N < last:
-            copy_kv(words, (1 - stage) * STAGE, k, v, k_base, v_base, start_n + BLOCK_N,
-                    last, d, dv)
-            warp.cp_async_commit()
-
-    return next_tile
-
-
 def make_add_pv(pv, pv_seen_pairs):
     @kernel_part
     def add_pv(words, at, s, acc, lane, nonfinite_v):
@@ -294,79 +214,6 @@ def make_init_rows(VB):
                 acc[vb, e] = ZERO
 
     return init_rows
-
-
-def make_load_q_fragments(D, K_ROW):
-    @kernel_part
-    def load_q_fragments(words, at, q_frag, lane, w):
-        """This warp's 16 rows of the Q tile -> A fragments, 16 head-dim columns a step: lanes
-        8m .. 8m + 7 address rows (m % 2) * 8 + r, columns (m // 2) * 8 of the step."""
-        m, r = lane // 8, lane % 8
-        for kk in range(D // 16):
-            q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3] = warp.ldmatrix_x4(
-                words, at + (w * 16 + r + 8 * (m % 2)) * K_ROW + kk * 8 + 4 * (m // 2))
-
-    return load_q_fragments
-
-
-def make_mma_pair(mma):
-    @kernel_part
-    def mma_pair(c, nb, a0, a1, a2, a3, b0, b1, b2, b3):
-        """c's n-blocks nb and nb + 1 += A B for the A fragment a0..a3 and the two B fragments
-        of one ldmatrix.x4 (matrices 0, 1: n-block nb; 2, 3: nb + 1)."""
-        c[nb, 0], c[nb, 1], c[nb, 2], c[nb, 3] = mma(
-            a0, a1, a2, a3, b0, b1, c[nb, 0], c[nb, 1], c[nb, 2], c[nb, 3])
-        c[nb + 1, 0], c[nb + 1, 1], c[nb + 1, 2], c[nb + 1, 3] = mma(
-            a0, a1, a2, a3, b2, b3, c[nb + 1, 0], c[nb + 1, 1], c[nb + 1, 2], c[nb + 1, 3])
-
-    return mma_pair
-
-
-def make_scores(D, K_ROW, mma, KEYS=BLOCK_N):
-    mma_pair = make_mma_pair(mma)
-
-    @kernel_part
-    def scores(words, at, q_frag, s, lane):
-        """S = Q K^T for this warp's 16 rows and the KEYS keys, 16 keys x 16 columns a step:
-        one ldmatrix.x4 of K gives B fragments for keys 0..7 (matrices 0, 1) and 8..15 (2, 3)."""
-        m, r = lane // 8, lane % 8
-        for nb in range(KEYS // 8):
-            for e in range(4):
-                s[nb, e] = ZERO
-        for n2 in range(KEYS // 16):
-            for kk in range(D // 16):
-                b0, b1, b2, b3 = warp.ldmatrix_x4(
-                    words, at + (n2 * 16 + r + 8 * (m // 2)) * K_ROW + kk * 8 + 4 * (m % 2))
-                mma_pair(s, 2 * n2, q_frag[kk, 0], q_frag[kk, 1], q_frag[kk, 2], q_frag[kk, 3],
-                         b0, b1, b2, b3)
-
-    return scores
-
-
-def make_scale_and_mask(masked_score, HAS_MASK):
-    @kernel_part
-    def scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0, start_n,
-                       lo, hi, interior, whole_rows, n_q, lane):
-        """S * qk_scale (+ bias), -inf where a row does not see a key. Element e of n-block
-        nb is row row0 + 8 (e // 2), key start_n + 8 nb + 2 t + e % 2. Most tiles are
-        interior (every row sees every key) in a block whose rows all exist: without a mask
-        or bias, there S * qk_scale is all (masked_score's tests cost 8 instructions an
-        element)."""
-        if not HAS_MASK and interior and whole_rows:
-            for nb in range(BLOCK_N // 8):
-                for e in range(4):
-                    s[nb, e] *= qk_scale
-            return
-        t = lane % 4
-        for nb in range(BLOCK_N // 8):
-            for e in range(4):
-                half = e // 2
-                s[nb, e] = masked_score(s[nb, e] * qk_scale, mask, bias, mask_steps,
-                                        bias_steps, b, h, row0 + 8 * half,
-                                        start_n + 8 * nb + 2 * t + e % 2, lo[half], hi[half],
-                                        interior, n_q)
-
-    return scale_and_mask
 
 
 @kernel_part
@@ -418,77 +265,6 @@ def make_online_softmax(NB, VB):
     return online_softmax
 
 
-def make_pv(DV, V_ROW, mma, pack, KEYS=BLOCK_N):
-    mma_pair = make_mma_pair(mma)
-
-    @kernel_part
-    def pv(words, at, s, acc, lane):
-        """acc += P V over KEYS keys, 16 a step: P's fragments of n-blocks 2 n2 and 2 n2 + 1
-        are the A fragment of keys 16 n2 .. + 15 (packed to the input dtype); one
-        ldmatrix.x4.trans of V gives B fragments for 16 output columns (matrices 0, 1:
-        columns 0..7; 2, 3: 8..15)."""
-        m, r = lane // 8, lane % 8
-        for n2 in range(KEYS // 16):
-            a0 = pack(s[2 * n2, 0], s[2 * n2, 1])
-            a1 = pack(s[2 * n2, 2], s[2 * n2, 3])
-            a2 = pack(s[2 * n2 + 1, 0], s[2 * n2 + 1, 1])
-            a3 = pack(s[2 * n2 + 1, 2], s[2 * n2 + 1, 3])
-            for v2 in range(DV // 16):
-                b0, b1, b2, b3 = warp.ldmatrix_x4_trans(
-                    words, at + (n2 * 16 + r + 8 * (m % 2)) * V_ROW + v2 * 8 + 4 * (m // 2))
-                mma_pair(acc, 2 * v2, a0, a1, a2, a3, b0, b1, b2, b3)
-
-    return pv
-
-
-def make_unpacked(unpack):
-    @kernel_part
-    def load_pair(words, at):
-        """The two values of the 32-bit word `at` as float32 (pv_seen_pairs's load_pair)."""
-        return unpack(words[at])
-
-    return load_pair
-
-
-def make_pv_seen_pairs(DV, V_ROW, load_pair, KEYS=BLOCK_N):
-    @kernel_part
-    def pv_seen_pairs(words, at, part, x, acc, lane):
-        """acc += X V in float32 over KEYS keys, adding only the pairs that take part
-        (takes_part of `part`'s element; the forward passes P as both), for a V tile holding
-        a NaN or an inf: -0.0 * NaN would be NaN. Key by key, each lane fetches the values of
-        its two rows from the lane that holds them (4 g + (key % 8) // 2), element key % 2
-        (+ 2 for row g + 8) of n-block key // 8. Rare."""
-        g, t = lane // 4, lane % 4
-        for key in range(KEYS):  # a loop, not unrolled: an element is picked by selects
-            for half in range(2):  # (an index computed at run time would put it in memory)
-                mine_part, mine_x = ZERO, ZERO
-                for nb in range(KEYS // 8):
-                    for e in range(2):
-                        if nb == key // 8 and e == key % 2:
-                            mine_part, mine_x = part[nb, 2 * half + e], x[nb, 2 * half + e]
-                src = 4 * g + key % 8 // 2
-                p, v_x = warp.shfl_idx(mine_part, src), warp.shfl_idx(mine_x, src)
-                if takes_part(p):
-                    for vb in range(DV // 8):
-                        v0, v1 = load_pair(words, at + key * V_ROW + vb * 4 + t)
-                        acc[vb, 2 * half] += v_x * v0
-                        acc[vb, 2 * half + 1] += v_x * v1
-
-    return pv_seen_pairs
-
-
-# The exponent bits of a 16-bit float: all ones for an inf or a NaN (either sign).
-EXPONENT_BITS = {"float16": 0x7C00, "bfloat16": 0x7F80}
-
-
-@kernel_part
-def word_nonfinite(w, low):
-    """Whether either 16-bit value of the 32-bit word w is a NaN or an inf, their exponent
-    bits being `low` (EXPONENT_BITS) in the low value: all ones in either half."""
-    high = low << 16
-    return (w & low) == low or (w & high) == high
-
-
 def make_tile_nonfinite(DV, V_ROW, LOW):
     WORDS_USED = DV // 2  # words of a V row the copy writes (the padding after is never read)
     TILE_WORDS = BLOCK_N * WORDS_USED
@@ -523,57 +299,12 @@ def make_acc_finite(VB):
 
 
 @kernel_part
-def own_flagged(flags, b, h, start):
-    """Whether the 2 FLAG_ROWS rows from `start` of head h are flagged in `flags` (a block's
-    own 64 rows: BLOCK_M here, flash_mma_bwd's BLOCK)."""
-    f = start // FLAG_ROWS
-    return flags[b, h, f] != 0 or (f + 1 < flags.shape[2] and flags[b, h, f + 1] != 0)
-
-
-@kernel_part
-def tiles_flagged(flags_a, flags_b, b, h_first, heads, first_row, last_row, tid, own_bad):
-    """Whether the flags of rows first_row .. last_row (inclusive; none when last_row <
-    first_row) of heads h_first .. + heads in flags_a or flags_b, or own_bad, say a NaN or an
-    inf, for the whole block: its threads read the flags side by side. A barrier (every
-    thread calls it)."""
-    bad = 1 if own_bad else 0
-    if last_row >= first_row:  # no run-time division (a 64-bit one is a subroutine)
-        first, last = first_row // FLAG_ROWS, last_row // FLAG_ROWS
-        for hh in range(h_first, h_first + heads):
-            for f in range(first + tid, last + 1, THREADS):
-                if flags_a[b, hh, f] != 0 or flags_b[b, hh, f] != 0:
-                    bad = 1
-    return cuda.syncthreads_or(bad) != 0
-
-
-@kernel_part
 def hand_over(deferred, ob, h, tile, redo, tid):
     """The fast variant's verdict on its block: thread 0 writes deferred[ob, h, tile] = redo
     (1: the careful variant does the block again); returns whether it does."""
     if tid == 0:
         deferred[ob, h, tile] = 1 if redo else 0
     return redo != 0
-
-
-def make_q_scores(scores, exact, Q_HI_AT):
-    """S = Q K^T: scores (Q's fragments in registers), or where the call says `slow` (a tile
-    pair holding a NaN or an inf) halves.scores_exact from Q's tiles at Q_HI_AT (hi) and
-    after; exact None (16-bit, or a variant without the slow path): scores alone."""
-    if exact is None:
-        @kernel_part
-        def plain(words, at, q_frag, s, lane, w, slow):
-            scores(words, at, q_frag, s, lane)
-
-        return plain
-
-    @kernel_part
-    def either(words, at, q_frag, s, lane, w, slow):
-        if slow:
-            exact(words, Q_HI_AT, at, s, lane, w)
-        else:
-            scores(words, at, q_frag, s, lane)
-
-    return either
 
 
 def make_store_out(DV, store, P_BACK=None):
@@ -655,8 +386,6 @@ def kernel_source(spec):
     CAREFUL, HALVES = spec.careful, spec.halves
     EXACT = HALVES and CAREFUL  # scores_exact for tile pairs holding a NaN or an inf
     if HALVES:
-        from . import halves  # (it builds on this module's parts)
-
         copy_kv, copy_q, scores, pv, pv_seen_pairs = halves.forward_parts(spec)
         P_FACTOR, P_BACK = halves.P_FACTOR, float32(1.0 / halves.P_FACTOR)
     else:

@@ -5,7 +5,7 @@ forward, flash_mma.py, rounds P the same way). float32 inputs (MmaBwdSpec dtype 
 go as two float16 halves a value, each product three mma.sync (halves.py): every tile below
 has its lo half beside it (MmaBwdSpec.layout), in dynamic shared memory. Two kernels after
 plain_bwd's delta kernel (delta = rowsum(dO * O)); their arguments are the tuned kernels'
-(plain_bwd.DKDV_ARGS, DQ_ARGS) with the pre-pass's flags, `deferred` and the halves' scales
+(common.DKDV_ARGS, DQ_ARGS) with the pre-pass's flags, `deferred` and the halves' scales
 (MMA_DKDV_ARGS, MMA_DQ_ARGS; below).
 
     dkdv  grid (key tiles of BLOCK = 64 keys, B * Hk), 4 warps; warp w owns keys
@@ -68,16 +68,15 @@ from numba import cuda
 from . import halves, warp
 from .compile_cache import jit
 from .convert import CONVERTERS, float32, int64, uint32, uint64
-from .flash_fwd import (F_LOG2E, FASTMATH, NEG_INF, NO_PART, ZERO, check_parameters,
-                        grid_order, kernel_part, key_range_device, key_tiles,
-                        make_masked_score)
-from .flash_mma import (BLOCK_N as KEY_TILE, EXPONENT_BITS, FACTORS, FLAG_ROWS, MMA_DTYPES,
-                        MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, THREADS, WARPS, halves_ship,
+from .common import (DKDV_ARGS, DQ_ARGS, FASTMATH, F_LOG2E, NEG_INF, NO_PART, ZERO,
+                     check_parameters, kernel_part, make_masked_score)
+from .schedule import grid_order, key_range_device, key_tiles
+from .mma_parts import (BLOCK_N as KEY_TILE, EXPONENT_BITS, FACTORS, FLAG_ROWS, MMA_DTYPES,
+                        MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, WARPS, halves_ship,
                         make_copy_kv, make_copy_tile, make_load_q_fragments, make_mma_pair,
                         make_next_tile, make_pv, make_pv_seen_pairs, make_q_scores,
                         make_scale_and_mask, make_scores, make_unpacked, own_flagged,
                         tiles_flagged, word_nonfinite)
-from .plain_bwd import DKDV_ARGS, DQ_ARGS
 
 
 DEFERRED = ("deferred", "flags", "(B, H, blocks) uint8: 1 where a block's tiles hold a NaN or "

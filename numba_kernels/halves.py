@@ -1,79 +1,14 @@
 """float32 operands on the float16 tensor cores: each value as two float16 halves.
 
-mma.sync multiplies float16 (or bfloat16) fragments only; TF32's mma runs at half the rate.
-The tensor-core forward and backward for float32 inputs (flash_mma.py, MmaSpec dtype
-"float32"; flash_mma_bwd.py, MmaBwdSpec dtype "float32") split every operand in two, the way
-the 3xTF32 scheme does, but into float16, whose 11-bit significand is TF32's and whose
-products issue twice as fast:
-
-    c      = 2^(13 - e)    e = floor(log2 max|x|) over the finite values of the whole tensor
-                           (at most 2^126, where they are all 0): every |x c| < 2^14
-    hi     = float16(x c)                 round to nearest
-    lo     = float16(x c - hi)            the difference is exact in float32
-    a b   ~= (hi_a hi_b + hi_a lo_b + lo_a hi_b) / (c_a c_b)       lo_a lo_b (2^-22) dropped
-    an inf or a NaN: hi = x c, lo = 0
-
-hi + lo holds 22 significant bits of x c where |x c| >= 2^-3 (lo is then a normal float16);
-below that lo loses bits to float16's subnormals, an absolute error under 2^-25 at the scale of
-the tensor's largest value (2^14). An inf does not survive the three products as float32's
-would (x inf is inf of x's sign; here lo_a hi_b adds 0 * inf = NaN where lo_a = 0, or inf -
-inf where lo_a's sign is not x's): the scores of a tile pair where Q or K holds a NaN or an inf
-are made by scores_exact instead, a float32 dot product of hi + lo a score (the backward's
-nonfinite variants; the contract's NaN containment needs S = -inf there to stay -inf). hi
-toward zero would keep the sign, at one bit less: scores 16 times their usual size then failed
-verify's rule on the H200 (error 1.12 of the bound). The scale c is a power of two (exact) and
-one number a
-tensor: it leaves every product's sum unchanged, and a per-tensor error is what verify's rule
-measures (the largest error of a tensor against its largest values).
-
-The scores carry 22 bits, a float32 forward's 24; the backward's P = exp2(S - lse) must then
-see the very S the forward's lse was made from, or P moves by the difference (7e-4 where
-scores are near 3000: twice what verify's rule allows for rounding a score once). So the
-forward's S = Q K^T, dq's (scores_halves: Q's fragments in registers, lo hi, hi lo, hi hi a
-16-column step) and dkdv's S^T = K Q^T (scores_t_halves: the middle products swapped,
-mma_halves_t) are the same products in the same order, and score_factor takes them to log2
-units in all three alike: the backward's scores are the forward's bit for bit (the forward
-and the backward split q and k alike: the pre-pass below).
-
-mma.sync does not round its sum to nearest: on the H200 each product is cut to the ulp of
-the largest addend (the accumulator, in a long sum) before they are added, its lower bits
-dropped (scripts/dev/mma_rounding_probe.py: 1 + 0.75 ulp comes back as 1, and so does 1 plus
-16 products of 0.1 ulp). Each step of a long sum thus loses up to an ulp of the sum a
-product, always toward zero. dV sums P^T dO over every query row, three mma.sync a 16 rows:
-over 4096 rows its error reached 1.3 times verify's bound on the H200, the SIMT kernels'
-0.17 (a CPU model that rounds each step's sum toward zero, `halves_emulation.py
---toward-zero`: 1.9). So dkdv sums each 16-row step's three products from 0 and adds them to
-dV's accumulator by a float32 add, rounding to nearest (make_pv_halves SUMMED): on the H200
-dv's error is then 0.02-0.10 of the bound at 256-4096 rows (halves_check.py --long; the SIMT
-kernels' 0.03-0.34). dK and dQ stay on one accumulator: their bounds are wider (dS's own
-rounding), and they measure under 0.07 of them either way. At head dims above 64, or with a
-mask, the step sums do not fit dkdv's registers: dK and dV are then two kernels
-(flash_mma_bwd.kv_parts). The forward's O = P V is the same sum over keys, but its bound
-takes the scores' rounding (verify/criterion.py), which is far larger.
-
-The operands a product takes from registers are split where they are made, with constant
-scales that keep them below 2^14 whatever the data:
-    P   (O = P V, dV = P^T dO)  P' = P 2^14                  (0 <= P <= 1)
-    dS  (dK, dQ)           dS' = P (dP' - delta') 2^-(15 + log2 DV)
-where dP' = dO' V'^T and delta' = delta c_v c_do are the scaled dP and delta: |dP'|, |delta'|
-<= DV 2^28 (O is an average of V's rows). Emulated on the CPU under verify's rule (the five
-products in float64 from the halves, float32 sums; `scripts/dev/halves_emulation.py`):
-dv 0.01-0.3 of its bound, dq and dk under 0.01, at N from 256 to 8192 and with inputs 1e-3,
-4 or 30 times their usual size.
-
-Before the kernels, one pre-pass per tensor (no wait for the host; the forward's of q, k, v):
-    absmax   grid (blocks, 4), blocks = partial's columns, at most ABS_BLOCKS: block i of row
-             r writes the max |x| over its stride of tensor r (q, k, v, dout) to
-             partial[r, i], finite values only
-    split    grid (row tiles of FLAG_ROWS rows, B * H) of one tensor: c from partial[r] (each
-             block reduces the absmax blocks' maxima), hi and lo of its rows to halves (2B, H, N,
-             W) float16 (hi at batch b, lo at B + b), flags[b, h, tile] = 1 where its rows hold
-             a NaN or an inf (the backward's nonfinite variants read them), and block (0, 0)
-             writes factors[r] = c, factors[4 + r] = 1 / c.
-
-The kernels copy both halves of each tile into shared memory (copy_tile_halves: lo at the
-flat offset of x.size / 2 from hi) and do each product as three mma.sync (the small terms
-first). Register operands are packed as hi and lo where they are made (pack_halves).
+The pre-pass (absmax, then split) scales each float32 tensor by one power of two c, so that
+every |x c| < 2^14, and writes hi = float16(x c) and lo = float16(x c - hi) beside each
+other (hi at batch b, lo at B + b), with flags of the row tiles that hold a NaN or an inf.
+The tensor-core kernels (flash_mma.py, flash_mma_bwd.py, MmaSpec and MmaBwdSpec dtype
+"float32") then do each product as three mma.sync, hi hi + hi lo + lo hi (the small terms
+first): products of about 22 bits, precision "high". The forward and the backward compute
+the scores alike, bit for bit. docs/design/halves.md has the design: the scales, the
+operands split in registers, the rounding of mma.sync's sums, and what the range check
+(plan.halves_range_why_not) guards.
 """
 import math
 from dataclasses import dataclass
@@ -83,9 +18,9 @@ from numba import cuda
 
 from . import warp
 from .compile_cache import jit
-from .convert import _bits_to_float, _float_to_bits, float32, int64
-from .flash_fwd import FASTMATH, ZERO, kernel_part
-from .flash_mma import (BLOCK_M, BLOCK_N, FLAG_ROWS, make_copy_kv, make_copy_tile,
+from .convert import bits_to_float, float_to_bits, float32, int64
+from .common import FASTMATH, ZERO, kernel_part
+from .mma_parts import (BLOCK_M, BLOCK_N, FLAG_ROWS, make_copy_kv, make_copy_tile,
                         make_mma_pair, make_pv_seen_pairs, make_q_scores)
 
 TOP = 14  # |x c| < 2^TOP
@@ -156,9 +91,9 @@ def absmax_source():
 def power_factors(top):
     """(c, 1 / c) for a tensor whose largest finite |x| is top: c = 2^(13 - floor(log2 top)),
     built from exponent bits (exact; at most 2^126, whose inverse is a normal float)."""
-    biased = (_float_to_bits(top) >> 23) & 0xFF  # floor(log2 top) + 127; 0 for 0
+    biased = (float_to_bits(top) >> 23) & 0xFF  # floor(log2 top) + 127; 0 for 0
     c_exp = min(267 - biased, 253)  # 13 - (biased - 127) + 127, at most 2^126
-    return _bits_to_float(c_exp << 23), _bits_to_float((254 - c_exp) << 23)
+    return bits_to_float(c_exp << 23), bits_to_float((254 - c_exp) << 23)
 
 
 def split_source():

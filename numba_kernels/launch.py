@@ -3,9 +3,8 @@
 Numba's `kernel[blocks, threads, stream](*args)` types every argument and flattens every array
 into the kernel's parameters (its data pointer, shape and strides) at each call; turning a torch
 tensor into a Numba device array (cuda.as_cuda_array) costs more. For flash_fwd's 22 arguments
-that was about half a millisecond of host time a call on the H200's host, as long as the kernel
-itself at N = 1024 (PERF.md, v12), and the GPU waits for it whenever the caller waits for
-each result.
+that was as long as the kernel itself at N = 1024, and the GPU waits for it whenever the
+caller waits for each result.
 
 So `launch` keeps, for each kernel and argument layout (the tensors' dtypes, shapes, strides
 and device, the scalars' values, the grid and the stream), the compiled function and its
@@ -17,13 +16,21 @@ arrays, and every call in the simulator, take Numba's launch each time. What thi
 Numba's internals is in numba_internals.py, and only there.
 """
 import time
+import warnings
 
 from numba import cuda
 
 from . import numba_internals, replay
 from .compile_cache import compiling
 from .convert import SIMULATOR
-from .flash_fwd import STATIC_SHARED_LIMIT
+from .common import STATIC_SHARED_LIMIT
+
+if SIMULATOR:
+    # The simulator runs the kernels' float32 arithmetic on NumPy scalars, one Python thread
+    # per CUDA thread, and NumPy warns where the GPU computes in silence what the kernels
+    # mean (-inf - -inf = NaN in a score that is then selected away, 0 * inf in a product
+    # that takes no part): those warnings are off, for the kernels' own modules only.
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"numba_kernels\.")
 
 # What compiling, or loading from the disk cache (compile_cache.py), took in this process:
 # KernelSpec (or merge dtype) -> seconds.

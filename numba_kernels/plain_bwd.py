@@ -30,34 +30,10 @@ from numba import cuda
 
 from .compile_cache import jit
 from .convert import float32, CONVERTERS
-from .flash_fwd import ARGS, FASTMATH, check_parameters
-from .plain_fwd import (F_LOG2E, NEG_INF, ZERO, make_load_row, make_load_tile, make_score,
-                        plain_tiles)
+from .common import (DELTA_ARGS, DKDV_ARGS, DQ_ARGS, F_LOG2E, FASTMATH, NEG_INF, ZERO,
+                     check_parameters)
+from .plain_fwd import make_load_row, make_load_tile, make_score, plain_tiles
 
-_OWN = {  # the backward's arguments beyond the forward's ARGS: (kind, meaning)
-    "out": ("input", "(B, Hq, Nq, Dv) the forward's output"),
-    "dout": ("input", "(B, Hq, Nq, Dv) the gradient of the output"),
-    "lse_in": ("lse", "(B, Hq, Nq) float32 the forward's lse (natural log)"),
-    "delta": ("lse", "(B, Hq, Nq) float32 rowsum(dout * out)"),
-    "dq": ("output", "(B, Hq, Nq, D) the gradient of q"),
-    "dk": ("output", "(B, Hk, Nk, D) the gradient of k, summed over the group's heads"),
-    "dv": ("output", "(B, Hk, Nk, Dv) the gradient of v, likewise"),
-    "scale": ("float", "the contract's scale (dS carries it into dq and dk)"),
-}
-_FORWARD = {name: (kind, meaning) for name, kind, meaning in ARGS}
-
-
-def _args(*names):
-    """Argument descriptions (name, kind, meaning), the forward's where the name is shared."""
-    return tuple((n,) + (_OWN[n] if n in _OWN else _FORWARD[n]) for n in names)
-
-
-DELTA_ARGS = _args("out", "dout", "delta", "n_q")
-_SIDES = ("mask", "bias", "kv_lengths", "dout", "lse_in", "delta")
-_BAND = ("n_q", "group", "qk_scale", "scale", "left", "right", "bottom_right", "mask_steps",
-         "bias_steps")
-DKDV_ARGS = _args("q", "k", "v", *_SIDES, "dk", "dv", *_BAND)
-DQ_ARGS = _args("q", "k", "v", *_SIDES, "dq", *_BAND)
 DELTA_THREADS = 128
 
 

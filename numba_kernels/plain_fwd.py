@@ -24,7 +24,8 @@ from numba import cuda
 
 from .compile_cache import jit
 from .convert import float32, CONVERTERS, device_function
-from .flash_fwd import ARGS, FASTMATH, LN2, LOG2E, check_parameters, key_range_device
+from .common import ARGS, F_LN2, F_LOG2E, FASTMATH, NEG_INF, ZERO, check_parameters
+from .schedule import key_range_device
 
 # The plain kernel's arguments: those of flash_fwd.py's ARGS it needs (the same meanings).
 PLAIN_ARGS = tuple(a for a in ARGS if a[0] in (
@@ -65,10 +66,6 @@ def plain_kernel(D, DV, dtype, has_mask):
     shared arrays), input dtype and whether it reads a mask and a bias."""
     fn = plain_kernel_source(D, DV, dtype, has_mask)
     return jit(fn, ("plain", D, DV, dtype, has_mask), FASTMATH)
-
-
-ZERO, NEG_INF = float32(0.0), float32(-math.inf)
-F_LOG2E, F_LN2 = float32(LOG2E), float32(LN2)
 
 
 def make_score(has_mask):

@@ -5,7 +5,7 @@
 
 For each variant of the tuned kernel, the split-KV merge kernel of each dtype, the plain
 kernels (plain_fwd.py and the backward's plain_bwd.py) and the tuned backward (flash_bwd.py),
-with the argument types every launch passes (C-contiguous arrays: api.py makes strided
+with the argument types every launch passes (C-contiguous arrays: arrays.py makes strided
 inputs contiguous): numba.cuda.compile_ptx
 for the compute capability, then `ptxas -v`, which reports registers, spills, stack frame and
 shared memory. A variant fails when it spills, needs a stack frame (arrays that fell out of
@@ -144,7 +144,7 @@ def ptxas_figures(ptx, cc=(9, 0), ptxas=None):
 
 def check_variant(args):
     spec, cc, ptxas = args
-    from numba_kernels.flash_fwd import DYNAMIC_SHARED_LIMIT, STATIC_SHARED_LIMIT
+    from numba_kernels.common import DYNAMIC_SHARED_LIMIT, STATIC_SHARED_LIMIT
     from numba_kernels.numba_internals import compiling_for
     from numba_kernels.specs import compile_ptx
 

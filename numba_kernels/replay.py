@@ -8,8 +8,7 @@ takes the api's whole path and records it (`recording`): each launch's packed pl
 allocated (io.empty, io.scratch) or a tensor the api keeps (io's constants). A later call of
 that layout allocates the same buffers anew and launches the same plans with its own
 pointers (`Replay.run`): no argument checks, kernel choice or per-launch bookkeeping, whose
-host time the GPU otherwise waits for on every call that starts from an idle GPU (PERF.md,
-"The host path").
+host time the GPU otherwise waits for on every call that starts from an idle GPU.
 
 Only torch CUDA tensors without mask, bias, kv_lengths or spec are replayed (the host reads
 kv_lengths' values; mask and bias keep their own layouts), with options of plain Python
@@ -49,6 +48,11 @@ def _plain(value):
     if isinstance(value, tuple):
         return all(isinstance(x, PLAIN) for x in value)
     return isinstance(value, PLAIN)
+
+
+def forget():
+    """Drop every recorded layout: the next call of each takes the whole path again."""
+    _CALLS.clear()
 
 
 def find(key):

@@ -12,7 +12,8 @@ from reference.dtypes import KERNEL_DTYPES
 from .compile_cache import jit
 from .convert import CONVERTERS
 from .flash_bwd import BwdSpec, bwd_kernel_source, bwd_specs
-from .flash_fwd import ARGS, FASTMATH, KernelSpec, kernel_source
+from .common import ARGS, FASTMATH
+from .flash_fwd import KernelSpec, kernel_source
 from .flash_mma import MMA_ARGS, MmaSpec, mma_kernel, mma_specs
 from .flash_mma import kernel_source as mma_kernel_source
 from .flash_mma_bwd import (MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec, ScanSpec, mma_bwd_kernel,
@@ -103,7 +104,7 @@ _NUMBA_TYPES = {"float32": float32, "float16": float16, "int16": int16}
 
 def signature(spec):
     """Argument types of the kernel for `spec`, from its ARGS: what every launch passes (every
-    array C-contiguous: api.py makes them so), for compile_ptx and compile_cache.warm."""
+    array C-contiguous: arrays.py makes them so), for compile_ptx and warm.py."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
     return arg_types(ARGS, elem, float32 if spec.partial else elem)
 
@@ -181,7 +182,7 @@ def build_kernel(spec):
     """The kernel for `spec`. Numba compiles it at the first launch for the argument types it
     sees (or loads it from the disk cache, compile_cache.py) and keeps each compiled version
     for the process: one for C-contiguous arrays (torch and CuPy inputs are made contiguous:
-    api.py), one more if other strided device arrays come."""
+    arrays.py), one more if other strided device arrays come."""
     return jit(kernel_source(spec), spec, FASTMATH)
 
 
@@ -230,7 +231,7 @@ def _variant(spec):
 
 
 def compiled(spec):
-    """(kernel, argument types) of any variant gate_specs() lists, for compile_cache.warm."""
+    """(kernel, argument types) of any variant gate_specs() lists, for warm.py."""
     _, kernel, types = _variant(spec)
     return kernel(), types
 

@@ -15,7 +15,8 @@ import math
 
 from numba import cuda
 
-from .convert import float32, int64, CONVERTERS
+from .common import NEG_INF, ZERO
+from .convert import int64, CONVERTERS
 
 FILL_BLOCKS_PER_SM = 4  # resident blocks an SM holds at the kernel's register use (PERF.md)
 MIN_TILES_PER_SPLIT = 4  # key tiles a split walks at least: a split is worth a block
@@ -44,7 +45,6 @@ def split_layout(n_k, block_n, n_splits):
 def merge_source(dtype):
     """The merge kernel for outputs of `dtype`: one thread per output element."""
     _, store, _ = CONVERTERS[dtype]
-    ZERO, NEG_INF = float32(0.0), float32(-math.inf)
 
     def merge_splits(out_part, lse_part, out, lse, n_splits):
         """out_part (n_splits * B, Hq, Nq, Dv) and lse_part (n_splits * B, Hq, Nq), float32,

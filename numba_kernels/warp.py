@@ -148,7 +148,7 @@ def mma_reference(a, b, c, dtype):
     (32, 4) float32. Products of 16-bit values are exact in float64 and the sum is rounded
     once to float32, to nearest. The H200 does not round so: it cuts each product to the
     ulp of the largest addend (C, in a long sum) before adding, toward zero
-    (scripts/dev/mma_rounding_probe.py; tests/test_halves.py models it), within an ulp of
+    (tests/test_gpu.py measures it; tests/test_halves.py models it), within an ulp of
     this a product. A long chain of mma.sync on one accumulator drifts on the GPU where it
     does not here (halves.py, dV's step sums)."""
     A, B = a_matrix(unpack(a, dtype)), b_matrix(unpack(b, dtype))

@@ -21,7 +21,8 @@ forward. The same function computes the low-precision emulation (lowp.py).
 import numpy as np
 
 from ._xp import array_namespace, quiet
-from .contract import _shape4, check_attention_args
+from .contract import array_dtype, check_attention_args, check_flag, shape4
+from .dtypes import FLOAT_DTYPES
 from .naive import blocks, seen, visible, weighted_values
 
 
@@ -36,7 +37,7 @@ def attention_backward(q, k, v, dout, *, scale=None, causal=False, mask=None, bi
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window)
     check_dout(pb, dout)
-    if return_dbias and bias is None:
+    if check_flag("return_dbias", return_dbias) and bias is None:
         raise ValueError("return_dbias=True needs a bias")
     grads = backward(pb, q, k, v, dout, mask, bias, kv_lengths, compute="float64")
     if not return_dbias:
@@ -46,9 +47,12 @@ def attention_backward(q, k, v, dout, *, scale=None, causal=False, mask=None, bi
 
 def check_dout(pb, dout):
     want = (pb.batch, pb.heads_q, pb.n_q, pb.dv)
-    got = _shape4("dout", dout, "(B, Hq, Nq, Dv)")
+    got = shape4("dout", dout, "(B, Hq, Nq, Dv)")
     if got != want:
         raise ValueError(f"dout must have the output's shape (B, Hq, Nq, Dv)={want}, got {got}")
+    if array_dtype(dout) not in FLOAT_DTYPES:
+        raise TypeError(f"dout must be a real float array (one of {FLOAT_DTYPES}), got dtype "
+                        f"{array_dtype(dout)}")
 
 
 def reduce_to(g, shape):

@@ -20,9 +20,11 @@ Everything else about a row follows from its visible keys alone: a row with none
 and lse = -inf; an invisible key's values (NaN included) change nothing.
 """
 import math
+import numbers
 from dataclasses import dataclass
 
 from ._xp import to_int_list
+from .bands import key_range
 from .dtypes import FLOAT_DTYPES, dtype_name
 
 CAUSAL_CHOICES = (False, "top_left", "bottom_right")
@@ -56,24 +58,7 @@ class Problem:
         return self.heads_q // self.heads_k
 
 
-def key_range(i, n_q, kv_len, left, right, bottom_right):
-    """Keys lo <= j < hi are visible to query row i (before mask and bias); empty if hi <= lo.
-
-    kv_len is the row's number of keys: Nk, or kv_lengths[b] when given. The diagonal key of
-    row i is i + (kv_len - Nq) under bottom-right alignment and i under top-left. Causal is the
-    window (-1, 0). Plain integer arithmetic: the Numba kernel compiles this same function.
-    """
-    diag = i + (kv_len - n_q if bottom_right else 0)
-    lo = 0
-    hi = kv_len
-    if left >= 0:
-        lo = max(lo, diag - left)
-    if right >= 0:
-        hi = min(hi, diag + right + 1)
-    return lo, hi
-
-
-def _shape4(name, x, expected):
+def shape4(name, x, expected):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name} must be an array with shape {expected}, got {type(x).__name__}")
     if len(x.shape) != 4:
@@ -95,19 +80,23 @@ def _normalise_scale(scale, D):
     equally, a negative scale favours the least similar keys."""
     if scale is None:
         return 1.0 / D ** 0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a Python number or None, got {type(scale).__name__}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) \
+            or type(scale).__name__ == "bool_":
+        raise TypeError(f"scale must be a real number (Python or NumPy) or None, got "
+                        f"{type(scale).__name__}")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
     return float(scale)
 
 
 def _normalise_causal(causal):
+    """False (or None), "top_left" or "bottom_right", taken as given: 0, 0.0 or 1 are not
+    read as booleans."""
     if causal is True:
         raise ValueError(_CAUSAL_TRUE_MESSAGE)
-    if causal is None:
+    if causal is None or causal is False:
         return False
-    if causal not in CAUSAL_CHOICES:
+    if not isinstance(causal, str) or causal not in CAUSAL_CHOICES:
         raise ValueError(f"causal must be one of {CAUSAL_CHOICES}, got {causal!r}")
     return causal
 
@@ -115,14 +104,39 @@ def _normalise_causal(causal):
 def _normalise_window(window):
     if window is None:
         return -1, -1
-    try:
-        left, right = (int(w) for w in window)
-    except (TypeError, ValueError):
-        raise TypeError(f"window must be a pair (left, right) of ints, got {window!r}") from None
+    if not isinstance(window, (tuple, list)) or len(window) != 2 \
+            or not all(is_integer(w) for w in window):
+        raise TypeError(f"window must be a pair (left, right) of integers, got {window!r}")
+    left, right = (int(w) for w in window)
     for side, w in (("left", left), ("right", right)):
         if w < -1:
             raise ValueError(f"window {side} must be >= 0, or -1 for unbounded; got {w}")
     return left, right
+
+
+def is_integer(x):
+    """Whether x is an integer (Python or NumPy), not a bool and not a float of integral
+    value."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) \
+        and type(x).__name__ != "bool_"
+
+
+def check_flag(name, value):
+    """value as a bool, where it is one (Python or NumPy): a string or a number is refused,
+    never read as true."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def array_dtype(x):
+    """dtype_name of x, with NumPy's non-native byte order set aside: a big-endian float32
+    array is float32 (implementations convert it as they read it)."""
+    dtype = getattr(x, "dtype", None)
+    if getattr(dtype, "byteorder", "=") in "<>" and hasattr(dtype, "newbyteorder"):
+        dtype = dtype.newbyteorder("=")
+        return str(dtype)
+    return dtype_name(x)
 
 
 def check_attention_args(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
@@ -131,9 +145,9 @@ def check_attention_args(q, k, v, *, scale=None, causal=False, mask=None, bias=N
 
     Raises TypeError or ValueError naming the argument and what was expected.
     """
-    B, Hq, Nq, D = _shape4("q", q, "(B, Hq, Nq, D)")
-    Bk, Hk, Nk, Dk = _shape4("k", k, "(B, Hk, Nk, D)")
-    Bv, Hv, Nv, Dv = _shape4("v", v, "(B, Hk, Nk, Dv)")
+    B, Hq, Nq, D = shape4("q", q, "(B, Hq, Nq, D)")
+    Bk, Hk, Nk, Dk = shape4("k", k, "(B, Hk, Nk, D)")
+    Bv, Hv, Nv, Dv = shape4("v", v, "(B, Hk, Nk, Dv)")
     if Bk != B or Bv != B:
         raise ValueError(f"batch sizes differ: q has B={B}, k has {Bk}, v has {Bv}")
     if Dk != D:
@@ -144,7 +158,7 @@ def check_attention_args(q, k, v, *, scale=None, causal=False, mask=None, bias=N
         raise ValueError(f"query heads Hq={Hq} must be a multiple of key heads Hk={Hk}")
     if D == 0 or Dv == 0:
         raise ValueError(f"head dims must be >= 1, got D={D}, Dv={Dv}")
-    names = {n: dtype_name(x) for n, x in (("q", q), ("k", k), ("v", v))}
+    names = {n: array_dtype(x) for n, x in (("q", q), ("k", k), ("v", v))}
     for n, dt in names.items():
         if dt not in dtypes:
             raise TypeError(f"{n} must have a dtype in {dtypes}, got {dt}")
@@ -163,12 +177,13 @@ def check_attention_args(q, k, v, *, scale=None, causal=False, mask=None, bias=N
             raise TypeError(f"{name} must be {kind} array (NumPy, CuPy or torch), got "
                             f"{type(x).__name__}")
     if mask is not None:
-        if dtype_name(mask) != "bool":
-            raise TypeError(f"mask must be boolean (True = attend), got dtype {dtype_name(mask)}")
+        if array_dtype(mask) != "bool":
+            raise TypeError(f"mask must be boolean (True = attend), got dtype "
+                            f"{array_dtype(mask)}")
         _check_broadcast("mask", mask, full)
     if bias is not None:
-        if dtype_name(bias) not in FLOAT_DTYPES:
-            raise TypeError(f"bias must be a float array, got dtype {dtype_name(bias)}")
+        if array_dtype(bias) not in FLOAT_DTYPES:
+            raise TypeError(f"bias must be a float array, got dtype {array_dtype(bias)}")
         _check_broadcast("bias", bias, full)
     if kv_lengths is not None:
         _check_kv_lengths(kv_lengths, B, Nk)

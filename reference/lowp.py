@@ -9,7 +9,7 @@ hardware does; bfloat16 is derived from the float32 bit pattern, so no extra pac
 and it runs on CuPy too.
 """
 from ._xp import array_namespace, quiet
-from .contract import check_attention_args
+from .contract import check_attention_args, check_flag
 from .dtypes import KERNEL_DTYPES
 from .naive import check_rows, forward
 
@@ -52,7 +52,7 @@ def attention_lowp(q, k, v, *, scale=None, causal=False, mask=None, bias=None, k
                        p_dtype=dtype, round_fn=round_to if round_p else None,
                        rows=check_rows(rows, pb.n_q))
     out = round_to(out, dtype)
-    return (out, lse) if return_lse else out
+    return (out, lse) if check_flag("return_lse", return_lse) else out
 
 
 def attention_backward_lowp(q, k, v, dout, *, scale=None, causal=False, mask=None, bias=None,

@@ -19,7 +19,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ._xp import array_namespace, quiet
-from .contract import band, check_attention_args, ranges_of, row_lengths
+from .contract import (band, check_attention_args, check_flag, is_integer, ranges_of,
+                       row_lengths)
 
 CHUNK_ELEMS = 1 << 22
 
@@ -39,7 +40,7 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_len
                                    kv_lengths=kv_lengths, window=window)
     out, lse = forward(problem, q, k, v, mask, bias, kv_lengths, compute="float64",
                        rows=check_rows(rows, problem.n_q))
-    return (out, lse) if return_lse else out
+    return (out, lse) if check_flag("return_lse", return_lse) else out
 
 
 def score_sensitivity(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
@@ -77,6 +78,9 @@ def check_rows(rows, n_q):
     """rows as a list of increasing ints in [0, n_q), or None."""
     if rows is None:
         return None
+    if isinstance(rows, (str, bytes)) or not hasattr(rows, "__iter__") \
+            or not all(is_integer(r) for r in rows):
+        raise TypeError(f"rows must be a sequence of integer query indices, got {rows!r}")
     rows = [int(r) for r in rows]
     if any(b <= a for a, b in zip(rows, rows[1:])) or (rows and not 0 <= rows[0] <= rows[-1]
                                                         < n_q):

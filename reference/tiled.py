@@ -11,7 +11,7 @@ and is not fast (a Python loop over tiles).
 import math
 
 from ._xp import array_namespace, quiet
-from .contract import check_attention_args, row_lengths, row_ranges
+from .contract import check_attention_args, check_flag, row_lengths, row_ranges
 from .naive import seen, visible, weighted_values
 
 LOG2E = 1.0 / math.log(2.0)
@@ -41,7 +41,7 @@ def attention_tiled(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
                                  None if bias is None else bias[b, h, rows],
                                  qk_scale, BLOCK_N, xp)
                 out[b, h, rows], lse[b, h, rows] = o, l_
-    return (out, lse) if return_lse else out
+    return (out, lse) if check_flag("return_lse", return_lse) else out
 
 
 def _program(pb, q_tile, k, v, kv_len, start_m, mask, bias, qk_scale, BLOCK_N, xp):

@@ -96,13 +96,13 @@ def test_the_gradients_follow_the_forwards_kernel_and_precision(monkeypatch):
     after the SIMT forward (float32 by default), the tensor cores after the halves
     (precision="high"), whose scores are the forward's bit for bit; a dout whose head the
     halves cannot hold is refused by name, not run on other scores."""
-    from numba_kernels import api, backward
+    from numba_kernels import backward, forward
 
     ran = []
-    for name in backward.KERNELS:
-        monkeypatch.setitem(backward.KERNELS, name, lambda *a, name=name: ran.append(name))
+    for name in backward.LAUNCHES:
+        monkeypatch.setitem(backward.LAUNCHES, name, lambda *a, name=name: ran.append(name))
     # the forward's choice is what is tested, not its values: the halves' launch left out
-    monkeypatch.setattr(api, "_mma_forward", lambda *a: ran.append("mma forward"))
+    monkeypatch.setattr(forward, "mma_forward", lambda *a: ran.append("mma forward"))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 16, generator=g).requires_grad_() for _ in range(3))
     flash_attention(q, k, v).sum().backward()

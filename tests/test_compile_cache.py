@@ -119,7 +119,7 @@ def test_compiles_of_one_variant_take_turns(tmp_path):
 
 
 def test_warmed_signatures_are_what_launches_pass():
-    """Every launch passes C-contiguous arrays (api.py copies strided torch and CuPy inputs),
+    """Every launch passes C-contiguous arrays (arrays.py copies strided torch and CuPy inputs),
     so the signatures warm() compiles must say C for every array, one dimension included (a
     1-D kv_lengths typed F made every launch miss the warmed entry and compile again). Every
     variant of every kernel: warm() takes any of them (specs.compiled)."""

@@ -41,7 +41,15 @@ BAD = {
     "lengths-float": (dict(kv_lengths=np.array([5.0, 1.0])), ValueError, "integer array"),
     "window-neg": (dict(window=(-2, 0)), ValueError, "window left must be >= 0, or -1"),
     "window-bad": (dict(window=3), TypeError, "window must be a pair"),
-    "scale-str": (dict(scale="1"), TypeError, "scale must be a Python number"),
+    "scale-str": (dict(scale="1"), TypeError, "scale must be a real number"),
+    "scale-bool": (dict(scale=True), TypeError, "scale must be a real number"),
+    "scale-complex": (dict(scale=1j), TypeError, "scale must be a real number"),
+    "causal-zero": (dict(causal=0.0), ValueError, "causal must be one of"),
+    "causal-one": (dict(causal=1), ValueError, "causal must be one of"),
+    "window-floats": (dict(window=(1.5, 2.7)), TypeError, "window must be a pair"),
+    "window-str": (dict(window="12"), TypeError, "window must be a pair"),
+    "window-bools": (dict(window=(True, False)), TypeError, "window must be a pair"),
+    "return-lse-str": (dict(return_lse="no"), TypeError, "return_lse must be True or False"),
     "scale-nan": (dict(scale=float("nan")), ValueError, "scale must be a finite number"),
     "mask-list": (dict(mask=[[True] * 5] * 3), TypeError, "mask must be a boolean array"),
     "bias-list": (dict(bias=[[0.0] * 5] * 3), TypeError, "bias must be a float array"),
@@ -60,6 +68,35 @@ def test_bad_input_names_the_argument(fn, case):
                 and a.dtype == np.float64 else a for n, a in args.items()}
     with pytest.raises(err, match=pattern):
         fn(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_rows_are_integer_indices():
+    args = good()
+    for rows in ("ab", [0.0, 1.0], 3):
+        with pytest.raises(TypeError, match="rows must be a sequence of integer"):
+            R.attention(args["q"], args["k"], args["v"], rows=rows)
+
+
+def test_gradients_refuse_a_complex_dout_and_a_flag_that_is_not_a_bool():
+    args = good()
+    q, k, v = args["q"], args["k"], args["v"]
+    dout = np.ones(q.shape[:3] + (v.shape[3],))
+    with pytest.raises(TypeError, match="dout must be a real float array"):
+        R.attention_backward(q, k, v, dout.astype(complex))
+    with pytest.raises(TypeError, match="return_dbias must be True or False"):
+        R.attention_backward(q, k, v, dout, bias=np.zeros((3, 5)), return_dbias="no")
+
+
+@pytest.mark.parametrize("fn", IMPLS, ids=lambda f: f.__name__)
+def test_legal_inputs_of_other_spellings_give_the_same_answer(fn):
+    """A NumPy scalar scale, NumPy integers in a window, big-endian arrays: taken, and the
+    same answer as the plain spelling."""
+    args = good()
+    q, k, v = args["q"], args["k"], args["v"]
+    want = fn(q, k, v, scale=0.5, window=(1, 2))
+    got = fn(q.astype(">f8"), k.astype(">f8"), v.astype(">f8"), scale=np.float32(0.5),
+             window=(np.int64(1), np.int32(2)))
+    np.testing.assert_allclose(got, want, rtol=1e-13, atol=0)
 
 
 # ------------------------------------------------------------- the band is the oracle's band

@@ -1,22 +1,22 @@
 """float32 on the tensor cores (numba_kernels/halves.py): the pre-pass that splits q, k, v and
 dout into float16 halves, the forward and backward kernels that multiply them (flash_mma.py,
 flash_mma_bwd.py, dtype float32) and the agreement of their scores, in the simulator.
-scripts/dev/gpu_halves_round.sh certifies them on a GPU (verify's standard suite, float32)."""
+scripts/gpu_verify.sh (IMPLS=numba-mma-backward) certifies them on a GPU (verify's standard suite, float32)."""
 import numpy as np
 import pytest
 from numba import cuda  # a global: the simulator swaps it for its own in kernels
 
 import verify
-from numba_kernels import api, halves
+from numba_kernels import arrays, forward, halves, prepass
 from numba_kernels.convert import SIMULATOR
 from verify.cases import Case
 
 
 def _split(tensors):
     """(halves, flags, factors) of the pre-pass for the named tensors, on the host."""
-    io = api._NumpyIO()
+    io = arrays.NumpyIO()
     named = {name: io.dev(x) for name, x in tensors.items()}
-    out, flags = api._halves(io, named)
+    out, flags = prepass.halves_prepass(io, named)
     host = {n: out[n].copy_to_host().astype(np.float32) for n in halves.SLOTS}
     return host, {n: flags[f"{n}_flags"].copy_to_host() for n in ("q", "k", "dout")}, \
         flags["factors"].copy_to_host()
@@ -40,7 +40,7 @@ def test_the_split_holds_each_value_as_two_float16_halves():
         hi, lo = got[name][: x.shape[0]], got[name][x.shape[0]:]
         finite = np.isfinite(x)
         scaled = x.astype(np.float64) * c
-        error = np.abs(scaled - hi - lo)[finite]
+        error = np.abs(scaled[finite] - hi[finite] - lo[finite])
         assert (error <= 2.0**-22 * np.abs(scaled[finite]) + 2.0**-25).all(), name
         assert np.array_equal(np.isfinite(hi), finite) and (lo[~finite] == 0).all(), name
     assert flags["k"][:, 0].tolist() == [[1, 0], [0, 1]]  # rows 0-31 and 32 of each batch
@@ -91,7 +91,7 @@ def test_an_inf_takes_exact_scores_and_reaches_nothing(monkeypatch):
     forward alone (the second)."""
     report = _judge(INF)
     assert report.passed and report.cases[0].verdict == "pass", str(report)
-    split = api._halves
+    split = prepass.halves_prepass
 
     def unflagged(io, named, names=halves.SLOTS):
         named, flags = split(io, named, names)
@@ -99,7 +99,7 @@ def test_an_inf_takes_exact_scores_and_reaches_nothing(monkeypatch):
             flags[f"{name}_flags"] = io.dev(np.zeros(flags[f"{name}_flags"].shape, np.uint8))
         return named, flags
 
-    monkeypatch.setattr(api, "_halves", unflagged)  # the forward's pre-pass
+    monkeypatch.setattr(forward, "halves_prepass", unflagged)  # the forward's pre-pass
     report = _judge(INF, backward=False)
     assert not report.passed and report.cases[0].verdict == "fail", str(report)
 
@@ -128,7 +128,7 @@ def test_the_backward_sees_the_forwards_scores():
 
 
 def _mma_as_the_h200_sums(a, b, c, dtype):
-    """warp.mma_reference as the H200 rounds (scripts/dev/mma_rounding_probe.py): each product
+    """warp.mma_reference as the H200 rounds (tests/test_gpu.py measures it): each product
     and C cut toward zero to the ulp of the largest of them, then summed, the sum cut to
     float32 toward zero."""
     from numba_kernels import warp
@@ -145,7 +145,7 @@ def _mma_as_the_h200_sums(a, b, c, dtype):
 
 
 def test_the_model_of_the_h200s_sums_gives_the_probes_answers():
-    """scripts/dev/mma_rounding_probe.py's cases (c, a, b: every element c + 16 a b) and what
+    """tests/test_gpu.py's cases (c, a, b: every element c + 16 a b) and what
     the H200 returned for them (PERF.md, h3)."""
     from numba_kernels import warp
     a_quarter = 0.75 * 2.0**-13

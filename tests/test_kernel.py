@@ -4,14 +4,14 @@ Without a GPU this runs in the CUDA simulator (tests/conftest.py), so sizes are 
 sizes are still chosen around the tiles of the variants they select (BLOCK_M = 64, BLOCK_N = 32
 for D <= 64; 64 x 16 up to 128, 32 x 32 for D = 96 with a mask; 16 x 16 up to 256): verify's
 edge cases (verify.cases.edge_cases), with the kernel's own checks.
-scripts/dev/gpu_check.py runs the large battery on a GPU.
+tests/test_gpu.py runs the standard battery on a GPU.
 """
 import zlib
 
 import numpy as np
 import pytest
 
-from numba_kernels import api, plain_attention
+from numba_kernels import api, arrays, plain_attention
 from reference.dtypes import numpy_dtype
 from verify.cases import edge_cases, make_inputs
 from verify.criterion import judge
@@ -33,7 +33,7 @@ def inputs(seed, B=1, Hq=2, Hk=1, Nq=5, Nk=7, D=16, Dv=None, dtype="float32"):
 @pytest.fixture
 def poisoned(monkeypatch):
     """Every output buffer starts as NaN, so an element the kernel never writes shows up."""
-    original = api._Pending.__init__
+    original = arrays.Pending.__init__
 
     def init(self, shape, dtype):
         original(self, shape, dtype)
@@ -41,7 +41,7 @@ def poisoned(monkeypatch):
             if dtype != "bfloat16" else np.full(shape, 0x7FC0, np.int16)
         self.device.copy_to_device(fill)
 
-    monkeypatch.setattr(api._Pending, "__init__", init)
+    monkeypatch.setattr(arrays.Pending, "__init__", init)
 
 
 def check(q, k, v, **options):
@@ -208,6 +208,10 @@ BAD = {
     "num-splits": ({}, dict(num_splits=0), ValueError, "num_splits must be"),
     "mask-list": ({}, dict(mask=[[True]]), TypeError, "mask must be a boolean array"),
     "scale-nan": ({}, dict(scale=float("nan")), ValueError, "scale must be a finite"),
+    "spec-str": ({}, dict(spec="bogus"), TypeError, "spec must be a KernelSpec"),
+    "return-lse-str": ({}, dict(return_lse="no"), TypeError, "return_lse must be True or"),
+    "window-floats": ({}, dict(window=(1.5, 2.7)), TypeError, "window must be a pair"),
+    "causal-zero": ({}, dict(causal=0.0), ValueError, "causal must be one of"),
 }
 
 
@@ -228,6 +232,23 @@ def test_mixed_array_kinds_rejected():
     q, k, v = inputs(0)
     with pytest.raises(TypeError, match="same kind of array"):
         flash_attention(q, cuda.to_device(k), v)
+
+
+def test_a_torch_mask_with_numpy_inputs_is_refused_by_name():
+    torch = pytest.importorskip("torch")
+    q, k, v = inputs(0)
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
+    with pytest.raises(TypeError, match="mask is a torch array and q a numpy one"):
+        flash_attention(q, k, v, mask=mask)
+
+
+def test_legal_spellings_give_the_same_answer():
+    """A NumPy float32 scale and big-endian arrays are taken: the same bits as the plain
+    spelling."""
+    q, k, v = inputs(0)
+    want = flash_attention(q, k, v, scale=0.5)
+    got = flash_attention(*(x.astype(">f4") for x in (q, k, v)), scale=np.float32(0.5))
+    assert np.array_equal(got, want)
 
 
 def test_strided_numba_device_array_rejected():
@@ -272,7 +293,8 @@ def test_one_description_of_the_kernels_arguments():
     name fails instead of shifting the arguments."""
     import inspect
 
-    from numba_kernels.flash_fwd import ARG_NAMES, ARGS, kernel_args, kernel_source
+    from numba_kernels.common import ARG_NAMES, ARGS, kernel_args
+    from numba_kernels.flash_fwd import kernel_source
     from numba_kernels.plain_fwd import PLAIN_ARG_NAMES, plain_kernel_source
     from numba_kernels.specs import plain_signature, shipped_specs, signature
 
@@ -291,7 +313,7 @@ def test_one_description_of_the_kernels_arguments():
 
 
 def test_a_kernel_whose_parameters_drift_from_its_args_is_refused():
-    from numba_kernels.flash_fwd import check_parameters
+    from numba_kernels.common import check_parameters
 
     def kernel(q, k, v):
         pass

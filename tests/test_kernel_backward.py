@@ -57,7 +57,7 @@ def test_backward_argument_errors():
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 5, 8)).astype(np.float32) for _ in range(3))
     out, lse = flash_attention(q, k, v, return_lse=True, kernel="simt")
-    with pytest.raises(ValueError, match=r"lse must be the forward's float32 \(B, Hq, Nq\)"):
+    with pytest.raises(ValueError, match=r"lse must be a float32 array of shape \(B, Hq, Nq\)"):
         flash_attention_backward(q, k, v, out, lse[..., :3], out)
     with pytest.raises(TypeError, match="dout must have q's dtype float32, got float64"):
         flash_attention_backward(q, k, v, out, lse, out.astype(np.float64))
@@ -65,6 +65,24 @@ def test_backward_argument_errors():
         flash_attention_backward(q, k, v, out[:, :1], lse, out)
     with pytest.raises(ValueError, match="kernel must be one of"):
         flash_attention_backward(q, k, v, out, lse, out, kernel="fast")
+    with pytest.raises(ValueError, match="out shares memory with q"):
+        flash_attention_backward(q, k, v, q, lse, out)  # D == Dv: q has out's shape
+    with pytest.raises(ValueError, match=r"dlse must be a float32 array of shape \(B, Hq"):
+        flash_attention_backward(q, k, v, out, lse, out, dlse=lse[..., :3])
+    with pytest.raises(TypeError, match="dlse: expected a NumPy array"):
+        flash_attention_backward(q, k, v, out, lse, out, dlse="0")
+
+
+def test_torch_cpu_tensors_take_the_backward_as_numpy_arrays():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 5, 8)).astype(np.float32) for _ in range(3))
+    out, lse = flash_attention(q, k, v, return_lse=True, kernel="simt")
+    want = flash_attention_backward(q, k, v, out, lse, out, kernel="tuned")
+    got = flash_attention_backward(*(torch.from_numpy(x) for x in (q, k, v, out, lse, out)),
+                                   kernel="tuned")
+    assert all(isinstance(g, torch.Tensor) and np.array_equal(g.numpy(), w)
+               for g, w in zip(got, want))
 
 
 @pytest.mark.parametrize("tiles", [(64, 64, 8, 8), (16, 32, 4, 8), (32, 16, 8, 4)])

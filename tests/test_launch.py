@@ -1,7 +1,7 @@
 """numba_kernels/launch.py and numba_internals.py: the cached launch plan of torch calls, on
 the CPU.
 
-The real path needs a GPU (scripts/dev/gpu_check.py runs every battery case through it). Here
+The real path needs a GPU (tests/test_gpu.py runs every battery case through it). Here
 Numba's dispatcher, its compiled kernel and the driver's launch are stand-ins with the same
 interface, so the plan's bookkeeping is tested: the first call of a layout goes through Numba
 and builds a plan; later calls launch with their own tensors' pointers; another layout gets

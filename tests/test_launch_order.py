@@ -5,7 +5,7 @@ key tiles alike; in grouped_order (the tensor-core forward's), the same in group
 heads, one group after the other."""
 import pytest
 
-from numba_kernels.flash_fwd import GROUP_BLOCKS, group_size, grouped_order, launch_order
+from numba_kernels.schedule import GROUP_BLOCKS, group_size, grouped_order, launch_order
 from reference.contract import key_range
 
 SIZES = [(1, 1), (1, 5), (3, 1), (7, 32), (64, 32), (13, 3)]  # (tiles, heads)

@@ -56,7 +56,7 @@ def test_a_block_whose_rows_end_non_finite_is_done_again_by_the_careful_variant(
     passes). When no block is deferred (acc_finite stood in by one that finds every row
     finite) verify fails it."""
     from numba_kernels import flash_mma
-    from numba_kernels.flash_fwd import kernel_part
+    from numba_kernels.common import kernel_part
 
     def never_again(VB):
         return kernel_part(lambda acc: True)
@@ -122,7 +122,7 @@ def test_auto_takes_the_tensor_core_kernel_where_it_applies_and_says_why_not(
 def test_float32_is_full_float32_unless_precision_high_is_asked_for():
     """The default runs float32 on the SIMT kernel (precision "highest"); "high" takes the
     tensor cores as float16 halves (halves.py) where verify certifies the pair: no mask or
-    bias, 64 query rows or more (api.float32_why_not)."""
+    bias, 64 query rows or more (plan.float32_why_not)."""
     q = np.zeros((1, 2, 64, 72), np.float32)
     assert kernel_plan(q, q, q)[::2] == ("simt", "highest")
     assert kernel_plan(q, q, q, precision="high") == (
@@ -153,8 +153,8 @@ def test_torch_tensors_take_torchs_float32_matmul_precision():
 def test_the_default_takes_the_tensor_core_kernel_for_decoding_too(monkeypatch):
     """One query row against many keys: the tensor-core kernel splits the keys across the SMs
     itself (split-KV), so the default need not fall back."""
-    from numba_kernels import api
-    monkeypatch.setattr(api, "_sm_count", lambda: 132)  # an H200 (the simulator says 1)
+    from numba_kernels import forward
+    monkeypatch.setattr(forward, "sm_count", lambda: 132)  # an H200 (the simulator says 1)
     q, k = np.zeros((2, 8, 1, 128), np.float16), np.zeros((2, 8, 32768, 128), np.float16)
     assert kernel_plan(q, k, k) == ("mma", "16-bit inputs it takes", "highest")
 
@@ -221,7 +221,8 @@ def test_the_pre_pass_flags_exactly_the_tiles_holding_nan_or_inf(dtype, exponent
     and one row): inf in a word's high value, NaN in a low one, -inf in the one-row tile; the
     largest finite values and a subnormal elsewhere must not be flagged."""
     from numba import cuda
-    from numba_kernels.flash_mma_bwd import FLAG_ROWS, SCAN_THREADS, ScanSpec, scan_kernel
+    from numba_kernels.flash_mma_bwd import SCAN_THREADS, ScanSpec, scan_kernel
+    from numba_kernels.mma_parts import FLAG_ROWS
     bits = np.full((1, 2, 33, 8), exponent - 1, np.uint16)  # the largest finite value
     bits[0, 1, 5, 3] = 1  # a subnormal
     cases = {(0, 0, 7, 7): exponent, (0, 1, 0, 0): exponent | 0x40,  # inf, NaN
@@ -267,13 +268,13 @@ def test_precision_high_passes_heads_far_apart_and_the_halves_alone_do_not(monke
     """Two heads 2^40 apart (q up, k down: the scores unchanged): what precision="high" runs
     passes verify's rule per head; forced onto the halves (the range check taken out), the
     small head is lost."""
-    from numba_kernels import api
+    from numba_kernels import api, plan
 
     case = Case("heads 2^40 apart", B=1, Hq=2, Hk=2, Nq=16, Nk=16, D=16, Dv=16,
                 dtype="float32", values="heads-held")
     impl = load("numba-mma-backward")
     assert run_case(impl, case, seed=0).verdict == "pass"
-    monkeypatch.setattr(api, "halves_range_why_not", lambda named: None)
+    monkeypatch.setattr(plan, "halves_range_why_not", lambda named: None)
     monkeypatch.setattr(impl, "fn", lambda q, k, v, **options: api.flash_attention(
         q, k, v, kernel="mma", **options))
     result = run_case(impl, case, seed=0)

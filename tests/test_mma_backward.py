@@ -3,7 +3,7 @@ emulates mma.sync, ldmatrix and cp.async lane by lane: verify's backward judgeme
 small cases that together take every feature (the simulator runs 32 threads an instruction),
 which kernel a call runs, and the tiles holding a NaN or an inf, which take the slow
 products. The PTX
-gate (tests/test_ptx.py) compiles every variant for sm_90; scripts/dev/gpu_mma_bwd_round.sh
+gate (tests/test_ptx.py) compiles every variant for sm_90; scripts/gpu_verify.sh
 runs verify's whole backward suite on a GPU."""
 import numpy as np
 import pytest
@@ -41,7 +41,7 @@ def _judge(cases):
 
 
 @pytest.mark.long
-@pytest.mark.skipif(not SIMULATOR, reason="scripts/dev/gpu_mma_bwd_round.sh certifies it on a GPU")
+@pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on a GPU")
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_mma_backward_passes_verify(case):
     report = _judge([case])
@@ -58,8 +58,8 @@ def _inputs(dtype="float16", n=10, d=16):
 def _kernel_run(monkeypatch, *args, **options):
     """The backward kernel flash_attention_backward runs for args (the kernels not run)."""
     ran = []
-    for name in backward.KERNELS:
-        monkeypatch.setitem(backward.KERNELS, name, lambda *a, name=name: ran.append(name))
+    for name in backward.LAUNCHES:
+        monkeypatch.setitem(backward.LAUNCHES, name, lambda *a, name=name: ran.append(name))
     flash_attention_backward(*args, **options)
     return ran
 
@@ -125,7 +125,7 @@ def test_a_hidden_nan_takes_the_slow_products_and_reaches_nothing(monkeypatch, c
     fails the call."""
     report = _judge([case])
     assert report.passed and report.cases[0].verdict == "pass", str(report)
-    monkeypatch.setattr(backward, "_flags", lambda io, pb, x: cuda.to_device(
+    monkeypatch.setattr(backward, "flag_prepass", lambda io, pb, x: cuda.to_device(
         np.zeros((x.shape[0], x.shape[1], -(-x.shape[2] // 32)), np.uint8)))
     report = _judge([case])
     assert not report.passed and report.cases[0].verdict == "fail", str(report)

@@ -152,7 +152,9 @@ def test_the_gate_lists_every_variant_a_call_can_launch():
     kernel pad to pad()'s widths, the tuned backward to bwd_width's, the tensor-core kernels
     (forward and backward) to mma_width's."""
     from numba_kernels.flash_bwd import BwdSpec, bwd_width
-    from numba_kernels.flash_mma import MmaSpec, mma_plan, mma_width
+    from numba_kernels.flash_mma import MmaSpec
+    from numba_kernels.mma_parts import mma_width
+    from numba_kernels.plan import mma_plan
     from numba_kernels.flash_mma_bwd import MmaBwdSpec, ScanSpec, kv_parts
     from numba_kernels.halves import halves_specs
     from numba_kernels.plain_bwd import PlainBwdSpec

@@ -1,6 +1,6 @@
 """numba_kernels/replay.py on the CPU: what a recorded call replays.
 
-A real replay needs torch CUDA tensors (scripts/dev/replay_check.py compares replayed calls
+A real replay needs torch CUDA tensors (tests/test_gpu.py compares replayed calls
 with whole ones on the GPU, bitwise). Here CPU tensors stand in for them and a stand-in plan
 records its launches, so the bookkeeping is tested: each recorded pointer is found again
 among the new call's inputs, its new buffers and the kept tensors; anything else, a launch
@@ -66,10 +66,14 @@ def test_a_replay_launches_the_recorded_plan_with_the_new_calls_pointers():
 
 
 def test_inputs_that_share_memory_replay_as_shared():
+    """q is k when recorded and when replayed: both of the plan's slots take the one new
+    pointer (q's slot 24, k's slot 4)."""
     q = torch.randn(2, 3)
-    record("self", (q, q, torch.randn(2, 3)))
+    plan = record("self", (q, q, torch.randn(2, 3)))
     x = torch.randn(2, 3)
     replay.find("self").run((x, x, torch.randn(2, 3)))
+    slots = dict(plan.launches[-1])
+    assert slots[4] == slots[24] == x.data_ptr()
 
 
 @pytest.mark.parametrize("why", ["unknown pointer", "no plan", "no outputs",

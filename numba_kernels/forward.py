@@ -1,0 +1,185 @@
+"""The forward's launches: flash_attention without autograd (forward), the SIMT kernel's
+(flash_fwd.py) and the tensor-core kernel's (flash_mma.py, after halves.py's pre-pass for
+float32), the split-KV merge, and the plain kernel (plain_fwd.py)."""
+import numpy as np
+
+from reference.contract import check_flag
+from . import replay
+from .arrays import band, begin, dtype_of, results, side_inputs, sm_count
+from .common import kernel_args
+from .flash_fwd import KernelSpec
+from .flash_mma import MMA_ARG_NAMES, MmaSpec, mma_kernel
+from .launch import launch
+from .mma_parts import BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, mma_width as pad_mma
+from .plain_fwd import PLAIN_ARG_NAMES, plain_kernel, plain_tiles
+from .plan import call_plan, check_kernel, mma_plan, resolve_precision
+from .prepass import halves_prepass
+from .specs import build_kernel, build_merge, choose_spec, launch_grid, pad
+from .split_kv import choose_splits, split_layout
+
+
+def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
+            window=None, return_lse=False, num_splits=None, spec=None, kernel="auto",
+            precision=None):
+    """flash_attention without autograd: the kernels' launch (the arguments checked once).
+    A torch call of a layout seen before replays that call's launches (replay.py)."""
+    check_kernel(kernel)
+    check_num_splits(num_splits)
+    return_lse = check_flag("return_lse", return_lse)
+    if spec is not None and not isinstance(spec, KernelSpec):
+        raise TypeError(f"spec must be a KernelSpec of the SIMT kernel (specs.choose_spec) or "
+                        f"None, got {spec!r}")
+    precision = resolve_precision(precision, q, kernel, dtype_of(q))
+    key = None
+    halves = dtype_of(q) == "float32" and (precision == "high" or kernel == "mma")
+    if mask is None and bias is None and kv_lengths is None and spec is None and not halves:
+        # (float32 on halves is not replayed: the values' range decides the kernel)
+        key = replay_key(q, k, v, scale, causal, window, return_lse, num_splits, kernel,
+                         precision)
+        found = replay.find(key)
+        if found is not None:
+            return found.run((q, k, v))
+    with replay.recording(key, (q, k, v)) as recorded:
+        pb, io, out, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
+        if call_plan(pb, kernel, spec, mask is not None or bias is not None, precision,
+                     dict(q=q, k=k, v=v)).kernel == "mma":
+            mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits)
+        else:
+            simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
+                          spec)
+        if recorded is not None:
+            recorded.returns(out, lse, return_lse)
+    return results(io, out, lse, return_lse)
+
+
+def replay_key(q, k, v, scale=None, causal=False, window=None, return_lse=False,
+               num_splits=None, kernel="auto", precision="highest"):
+    """The layout under which forward records and replays a call without mask, bias,
+    kv_lengths or spec (replay.call_key; None: not one to replay)."""
+    return replay.call_key((q, k, v), (scale, causal, window, return_lse, num_splits, kernel,
+                                       precision))
+
+
+def simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec):
+    """The SIMT kernel (flash_fwd.py) into out and lse, split-KV merged."""
+    if pb.batch * pb.heads_q * pb.n_q > 0:  # else the outputs are empty: nothing to launch
+        has_mask = mask is not None or bias is not None
+        # Splitting depends on the tiles only, which do not depend on splitting.
+        tiles = spec or choose_spec(pb.d, pb.dv, pb.dtype, has_mask)
+        blocks, _, _ = launch_grid(pb.n_q, pb.batch, pb.heads_q, tiles)
+        n_splits, split_len = _splits(pb, blocks, tiles.block_n, num_splits)
+        chosen = choose_spec(pb.d, pb.dv, pb.dtype, has_mask, partial=n_splits > 1)
+        if spec is None:
+            spec = chosen
+        elif spec.d < pb.d or spec.dv < pb.dv or spec.dtype != pb.dtype \
+                or spec.has_mask != has_mask or spec.partial != chosen.partial:
+            raise ValueError(f"spec {spec} does not fit D={pb.d}, Dv={pb.dv}, {pb.dtype}, "
+                             f"mask or bias={'yes' if has_mask else 'no'}, {n_splits} split(s)")
+        mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
+        dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
+        blocks, threads, n_tiles = launch_grid(pb.n_q, pb.batch, pb.heads_q, spec, n_splits)
+        launch(build_kernel(spec), spec, blocks, threads, io.stream, *kernel_args(
+            q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, bias=bias_dev,
+            kv_lengths=lengths, out=io.dev(dest[0]), lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d,
+            dv=pb.dv, group=pb.group, heads_q=pb.heads_q, n_tiles=n_tiles,
+            split_len=split_len, **band(pb), **steps))
+        if n_splits > 1:
+            _merge(io, pb, dest, out, lse, n_splits)
+
+
+MERGE_THREADS = 128
+
+
+def check_num_splits(num_splits):
+    if num_splits is not None and (isinstance(num_splits, bool)
+                                   or not isinstance(num_splits, (int, np.integer))
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be None or an integer >= 1, got {num_splits!r}")
+
+
+def _splits(pb, blocks, block_n, num_splits):
+    """(n_splits, split_len): chosen (num_splits None) or as asked, in whole key tiles."""
+    if num_splits is None:
+        return choose_splits(blocks, pb.n_k, block_n, sm_count())
+    return split_layout(pb.n_k, block_n, int(num_splits))
+
+
+def _partials(io, pb, n_splits):
+    """Where a split-KV launch writes: float32, split s of batch b at s * B + b."""
+    return (io.empty((n_splits * pb.batch, pb.heads_q, pb.n_q, pb.dv), "float32"),
+            io.empty((n_splits * pb.batch, pb.heads_q, pb.n_q), "float32"))
+
+
+def _merge(io, pb, dest, out, lse, n_splits):
+    """out and lse from the partial results `dest` of n_splits splits (split_kv.py)."""
+    elements = pb.batch * pb.heads_q * pb.n_q * pb.dv
+    launch(build_merge(pb.dtype), pb.dtype, -(-elements // MERGE_THREADS), MERGE_THREADS,
+           io.stream, io.dev(dest[0]), io.dev(dest[1]), io.dev(out), io.dev(lse), n_splits)
+
+
+def plain_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
+                    kv_lengths=None, window=None, return_lse=False):
+    """The plain kernel (plain_fwd.py: one thread per query row, for reading) with
+    flash_attention's arguments, checks and array handling. Slower; no split-KV."""
+    return_lse = check_flag("return_lse", return_lse)
+    pb, io, out, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
+    if pb.batch * pb.heads_q * pb.n_q > 0:
+        width = pad(max(pb.d, pb.dv))
+        has_mask = mask is not None or bias is not None
+        block_m = plain_tiles(width)[0]
+        mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
+        launch(plain_kernel(width, width, pb.dtype, has_mask), ("plain", width, pb.dtype),
+               (-(-pb.n_q // block_m), pb.batch * pb.heads_q), block_m, io.stream,
+               *kernel_args(PLAIN_ARG_NAMES, q=io.dev(q), k=io.dev(k), v=io.dev(v),
+                            mask=mask_dev, bias=bias_dev, kv_lengths=lengths,
+                            out=io.dev(out), lse=io.dev(lse), n_q=pb.n_q, group=pb.group,
+                            **band(pb), **steps))
+    return results(io, out, lse, return_lse)
+
+
+def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
+                  kv_lengths=None, window=None, return_lse=False, num_splits=None):
+    """The tensor-core kernel (flash_mma.py: mma.sync, float16 and bfloat16 inputs, float32
+    as float16 halves) with flash_attention's arguments, checks and array handling, split-KV
+    included. Raises ValueError naming the reason where it does not apply
+    (flash_mma.mma_plan)."""
+    return_lse = check_flag("return_lse", return_lse)
+    check_num_splits(num_splits)
+    pb, io, out, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
+    why_not = mma_plan(pb, mask is not None or bias is not None)
+    if why_not:
+        raise ValueError(f"the tensor-core kernel does not apply: {why_not}")
+    mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits)
+    return results(io, out, lse, return_lse)
+
+
+def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits):
+    """The tensor-core kernel (flash_mma.py) into out and lse, split-KV merged: its fast
+    variant, then its careful variant for the blocks the fast one deferred (a row that
+    ended non-finite, or, float32, a Q or K tile holding a NaN or an inf; most often none,
+    and its blocks return at once). float32 goes through halves.py's pre-pass first."""
+    if pb.batch * pb.heads_q * pb.n_q > 0:
+        q_tiles = -(-pb.n_q // MMA_BLOCK_M)
+        n_splits, split_len = _splits(pb, q_tiles * pb.batch * pb.heads_q, MMA_BLOCK_N,
+                                      num_splits)
+        mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
+        dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
+        deferred = io.scratch((n_splits * pb.batch, pb.heads_q, q_tiles))
+        named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v))
+        if pb.dtype == "float32":
+            named, flags = halves_prepass(io, named, ("q", "k", "v"))
+            del flags["v_flags"]  # a V tile's NaN or inf: the careful variant's own test
+        else:  # not read by the 16-bit variants
+            flags = dict(q_flags=deferred, k_flags=deferred, factors=io.flat(io.dev(dest[1])))
+        args = kernel_args(
+            MMA_ARG_NAMES, **named, **flags, mask=mask_dev, bias=bias_dev, kv_lengths=lengths,
+            deferred=deferred, out=io.dev(dest[0]), lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d,
+            dv=pb.dv, group=pb.group, heads_q=pb.heads_q, split_len=split_len, **band(pb),
+            **steps)
+        for careful in (False, True):
+            spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype,
+                           mask is not None or bias is not None, n_splits > 1, careful)
+            launch(mma_kernel(spec), spec, (q_tiles, pb.batch * pb.heads_q, n_splits), 128,
+                   io.stream, *args, shared=spec.dynamic_shared_bytes)
+        if n_splits > 1:
+            _merge(io, pb, dest, out, lse, n_splits)

@@ -1,0 +1,209 @@
+"""Which kernel a call runs, and why: the forward's ("simt" or "mma") and the backward's
+("plain", "tuned" or "mma"), at which precision float32 runs, and where the tensor cores'
+float16 halves cannot hold the values. One choice for both passes, so that the backward's
+scores are the forward's."""
+from typing import NamedTuple
+
+import numpy as np
+
+from reference.contract import check_attention_args
+from .mma_parts import HALVES_MASK_WIDTH, MMA_INPUT_DTYPES, MMA_WIDTHS, halves_ship
+from .specs import DTYPES
+
+KERNELS = ("simt", "mma", "auto")  # the forward's kernel=
+BACKWARD_KERNELS = ("plain", "tuned", "mma", "auto")  # the backward's kernel=
+# the backward kernel that follows each forward kernel: "tuned" rounds its scores as the SIMT
+# forward does, "mma" recomputes the forward's bit for bit
+BACKWARD_KERNEL = {"simt": "tuned", "mma": "mma"}
+PRECISIONS = ("highest", "high")  # PyTorch's float32 matmul precisions ("medium" as "high")
+FLOAT32_MIN_ROWS = 64  # "auto": float32 with fewer query rows (decoding) stays on SIMT
+
+
+class Plan(NamedTuple):
+    """What a call runs: the forward kernel ("simt" or "mma"), why, and the precision of its
+    float32 arithmetic ("highest": full float32; "high": float16 halves)."""
+    kernel: str
+    why: str
+    precision: str
+
+
+def resolve_precision(precision, q, kernel, dtype):
+    """The precision a call runs float32 at (PRECISIONS): precision as given, or for None,
+    PyTorch's float32 matmul precision where q is a torch tensor, else "highest". Raises
+    ValueError for a name not in PRECISIONS, and for kernel="mma" on dtype float32 (float16
+    halves) with precision="highest" asked for by name."""
+    if precision is None:
+        if not type(q).__module__.startswith("torch"):
+            return "highest"
+        from .torch_precision import float32_matmul_precision
+
+        return "highest" if float32_matmul_precision() == "highest" else "high"
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, or None (PyTorch's float32 "
+                         f"matmul precision for torch tensors, else 'highest'), got "
+                         f"{precision!r}")
+    if precision == "highest" and kernel == "mma" and dtype == "float32":
+        raise ValueError("kernel='mma' runs float32 as float16 halves (products of about 22 "
+                         "bits: precision 'high'); precision='highest' asks for full float32: "
+                         "use kernel='auto' or 'simt'")
+    return precision
+
+
+def float32_why_not(pb, has_mask, precision="highest"):
+    """Why "auto" leaves float32 problem pb to the SIMT kernels, forward and backward alike,
+    or None: the tensor cores take float32 as float16 halves (halves.py) at precision "high"
+    only, where verify's numba-mma-backward certifies the pair, without a mask or bias, and
+    where a query tile is full: with one query row the halves' pre-pass, which reads k and v
+    once more, made decoding twice as slow on the H200."""
+    if precision == "highest":
+        return ("float32 at precision 'highest' (the default) is full float32; the tensor "
+                "cores' float16 halves (products of about 22 bits) run at precision='high'")
+    if has_mask:
+        return ("float32 with a mask or bias takes the tensor cores only when asked, "
+                "kernel='mma' (verify's numba-mma-backward does not certify it)")
+    if pb.n_q < FLOAT32_MIN_ROWS:
+        return (f"float32 with fewer than {FLOAT32_MIN_ROWS} query rows (decoding) takes "
+                "the tensor cores only when asked, kernel='mma' (their pre-pass reads k and "
+                "v once more)")
+    return None
+
+
+def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
+                window=None, num_splits=None, spec=None, kernel="auto", precision=None):
+    """Plan(kernel, why, precision): which forward kernel flash_attention runs for these
+    arguments, "simt" (flash_fwd.py) or "mma" (flash_mma.py), why, and the precision of its
+    float32 arithmetic. kernel="auto" takes the tensor-core kernel where it applies
+    (mma_plan: head dims multiples of 8 up to 128; no spec of the SIMT kernel
+    given) for float16 and bfloat16, and for float32 at precision "high" (float32_why_not:
+    not with a mask or bias, nor for decoding; halves_range_why_not: not where a row's
+    values lie too far below the tensor's largest), and says why not where it falls back;
+    "mma" raises ValueError with that reason instead. num_splits is taken as flash_attention
+    takes it; both kernels split the keys, so it does not decide."""
+    check_kernel(kernel)
+    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                              kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
+    return call_plan(pb, kernel, spec, mask is not None or bias is not None,
+                     resolve_precision(precision, q, kernel, pb.dtype), dict(q=q, k=k, v=v))
+
+
+def check_kernel(kernel, kernels=KERNELS):
+    """kernel is one of `kernels`, or a ValueError naming them."""
+    if kernel not in kernels:
+        raise ValueError(f"kernel must be one of {kernels}, got {kernel!r}")
+
+
+def backward_plan(pb, kernel, has_mask, precision, named):
+    """The backward kernel flash_attention_backward runs ("plain", "tuned" or "mma") for
+    kernel= of BACKWARD_KERNELS: "auto" and "mma" make the forward's choice (call_plan over
+    the tensors `named`, dout among them) and follow it (BACKWARD_KERNEL), so that the two
+    passes agree; "mma" raises ValueError where it does not apply."""
+    check_kernel(kernel, BACKWARD_KERNELS)
+    if kernel not in ("auto", "mma"):
+        return kernel
+    return BACKWARD_KERNEL[call_plan(pb, kernel, None, has_mask, precision, named).kernel]
+
+
+def shape_plan(pb, kernel, spec, has_mask, precision):
+    """kernel_plan for a checked problem pb from its shapes and options alone (has_mask: a
+    mask or bias is given; precision: resolve_precision's)."""
+    if kernel == "simt":
+        return Plan("simt", "asked for", "highest")
+    why_not = mma_plan(pb, has_mask)
+    if why_not is None and spec is not None:
+        why_not = "a spec (a variant of the SIMT kernel) was given"
+    if why_not is None and kernel == "auto" and pb.dtype == "float32":
+        why_not = float32_why_not(pb, has_mask, precision)
+    if why_not is None:
+        halves = pb.dtype == "float32"
+        return Plan("mma", "asked for" if kernel == "mma" else "16-bit inputs it takes"
+                    if not halves else "float32 inputs it takes, as float16 halves "
+                    "(precision 'high')", "high" if halves else "highest")
+    if kernel == "mma":
+        raise ValueError(f"kernel='mma': {why_not}")
+    return Plan("simt", f"the tensor-core kernel does not apply: {why_not}", "highest")
+
+
+HALVES_RANGE = 16  # binades below a tensor's largest value where its halves keep 22 bits
+HALVES_SPAN = 48  # the tensors' largest values within 2^-48 .. 2^48: the scales' products fit
+
+
+def halves_range_why_not(named):
+    """None, or why float16 halves with one scale per tensor (halves.py) would not hold the
+    float32 tensors `named` ({name: (B, H, N, W) array of any kind}): a row (of a query, a
+    key or a value; a head of dout, whose rows scale their own gradients alone) whose largest
+    finite |x| lies more than 2^HALVES_RANGE below the tensor's largest (zeros are exact):
+    after the tensor's scale its values fall toward float16's subnormals (hi + lo keep fewer
+    than 22 bits), and 2^30 below nothing of them is left, which a head or a key whose values
+    are small beside the others' cannot afford; or a tensor whose largest |x| lies outside
+    2^-HALVES_SPAN .. 2^HALVES_SPAN, whose scales' products would leave float32's range.
+    Reads every element once (on the device for torch and CuPy, one small copy back)."""
+    for name, x in named.items():
+        top = row_maxima(x)
+        if name == "dout":
+            top = top.max(axis=2, keepdims=True)
+        largest = float(top.max(initial=0.0))
+        if largest and not 2.0**-HALVES_SPAN <= largest <= 2.0**HALVES_SPAN:
+            return (f"float32 at precision 'high': the largest value of {name} is "
+                    f"2^{np.log2(largest):.0f}, outside the 2^-{HALVES_SPAN} .. "
+                    f"2^{HALVES_SPAN} that float16 halves with one scale per tensor hold")
+        low = (top > 0) & (top < largest * 2.0**-HALVES_RANGE)
+        if low.any():
+            b, h, r = np.unravel_index(int(np.argmax(low)), top.shape)
+            gap = np.log2(largest / top[b, h, r])
+            where = f"(batch {b}, head {h})" if name == "dout" else \
+                f"row {r} of (batch {b}, head {h})"
+            return (f"float32 at precision 'high': {where} of {name} holds values "
+                    f"2^{gap:.0f} below the tensor's largest, past the "
+                    f"2^{HALVES_RANGE} that float16 halves with one scale per tensor hold "
+                    f"(halves.py)")
+    return None
+
+
+def row_maxima(x):
+    """(B, H, N) float64 NumPy: the largest finite |x| of each row of x (B, H, N, W)."""
+    shape = tuple(x.shape[:3])
+    if int(np.prod(x.shape)) == 0:
+        return np.zeros(shape)
+    if hasattr(x, "detach"):  # torch
+        import torch
+
+        x = x.detach()
+        return torch.where(torch.isfinite(x), x.abs(), 0).amax(dim=3).double().cpu().numpy()
+    if type(x).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy.where(cupy.isfinite(x), cupy.abs(x), 0).max(axis=3).astype(
+            np.float64).get()
+    x = x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
+    return np.where(np.isfinite(x), np.abs(x), 0).max(axis=3).astype(np.float64)
+
+
+def call_plan(pb, kernel, spec, has_mask, precision, named):
+    """shape_plan, and where it takes the tensor cores for float32, the range of the values
+    (halves_range_why_not over the tensors `named`): past it "auto" takes the SIMT kernel
+    (full float32), and "mma" raises ValueError saying why."""
+    plan = shape_plan(pb, kernel, spec, has_mask, precision)
+    if plan.kernel != "mma" or pb.dtype != "float32":
+        return plan
+    why_not = halves_range_why_not(named)
+    if why_not is None:
+        return plan
+    if kernel == "mma":
+        raise ValueError(f"kernel='mma': {why_not}")
+    return Plan("simt", f"the tensor-core kernel does not apply: {why_not}", "highest")
+
+
+def mma_plan(pb, has_mask=False):
+    """Why the tensor-core kernels do not apply to problem pb (reference.contract's), or
+    None: inputs of MMA_INPUT_DTYPES (float32 as float16 halves), head dims multiples of 8
+    (whole 16-byte copies) up to the widest, float32 with a mask or bias (has_mask) up to
+    HALVES_MASK_WIDTH (halves_ship). The forward and the backward ask the same."""
+    if pb.dtype not in MMA_INPUT_DTYPES:
+        return f"dtype {pb.dtype}: it takes {', '.join(MMA_INPUT_DTYPES)}"
+    if pb.d % 8 or pb.dv % 8 or max(pb.d, pb.dv) > MMA_WIDTHS[-1]:
+        return (f"head dims D={pb.d}, Dv={pb.dv}: it takes multiples of 8 up to "
+                f"{MMA_WIDTHS[-1]}")
+    if not halves_ship(pb.dtype, has_mask, pb.d, pb.dv):
+        return (f"float32 with a mask or bias at head dims D={pb.d}, Dv={pb.dv}: it takes "
+                f"them up to {HALVES_MASK_WIDTH} (above, the halves' kernels spill registers)")
+    return None

@@ -1,0 +1,50 @@
+"""The pre-passes of the tensor-core kernels, launched before them with no wait for the host:
+float32 inputs split into float16 halves (halves.py), and 16-bit inputs' tiles flagged where
+they hold a NaN or an inf (flash_mma_bwd.py's scan)."""
+import numpy as np
+
+from .flash_mma_bwd import SCAN_THREADS, ScanSpec, scan_kernel
+from .halves import ABS_BLOCKS, SLOTS, THREADS as HALVES_THREADS, HalvesSpec, halves_kernel
+from .launch import launch
+from .mma_parts import FLAG_ROWS
+
+
+def halves_prepass(io, named, names=SLOTS):
+    """(named with the tensors `names` (of q, k, v, dout) as float16 halves on the device
+    (2B, H, N, W): hi at b, lo at B + b; {x_flags} of each, and the scales' `factors`), from
+    halves.py's pre-pass: one absmax launch for them all, a split launch each. No wait for
+    the host. The forward and the backward split q and k alike: the same halves."""
+    assert names == SLOTS[:len(names)], names  # blockIdx.y and `slot` index SLOTS
+    largest = max(int(np.prod(named[n].shape)) for n in names)
+    blocks = max(1, min(ABS_BLOCKS, -(-largest // HALVES_THREADS)))  # each a stride of them
+    partial = io.dev(io.empty((len(SLOTS), blocks), "float32"))
+    factors = io.dev(io.empty((2 * len(SLOTS),), "float32"))
+    spec = HalvesSpec("absmax")  # rows of partial past len(names) are not written
+    tensors = [io.flat(named[n]) for n in names]
+    launch(halves_kernel(spec), spec, (blocks, len(names)), HALVES_THREADS, io.stream,
+           *(tensors + tensors[-1:] * (len(SLOTS) - len(names))), partial)
+    named, flags, spec = dict(named), {"factors": factors}, HalvesSpec("split")
+    for slot, name in enumerate(names):
+        x = named[name]
+        batch, heads, rows, width = x.shape
+        tiles = -(-rows // FLAG_ROWS)
+        named[name] = io.dev(io.empty((2 * batch, heads, rows, width), "float16"))
+        flags[f"{name}_flags"] = io.scratch((batch, heads, max(tiles, 1)))
+        if batch * heads * rows:
+            launch(halves_kernel(spec), spec, (tiles, batch * heads), HALVES_THREADS,
+                   io.stream, x, named[name], partial, factors, flags[f"{name}_flags"], slot)
+    return named, flags
+
+
+def flag_prepass(io, pb, x):
+    """(B, H, rows / FLAG_ROWS) uint8 on the device: 1 where FLAG_ROWS rows of x (16-bit,
+    C-contiguous on the device, an even last dim) hold a NaN or an inf (flash_mma_bwd's
+    pre-pass; no wait for it)."""
+    batch, heads, rows, width = x.shape
+    tiles = -(-rows // FLAG_ROWS)
+    flags = io.scratch((batch, heads, max(tiles, 1)))
+    if batch * heads * rows:
+        scan = ScanSpec(pb.dtype)
+        launch(scan_kernel(scan), scan, (tiles, batch * heads), SCAN_THREADS, io.stream,
+               io.words(x), flags, rows, width // 2)
+    return flags
