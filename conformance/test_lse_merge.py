@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 import reference
 from verify.cases import make_inputs
 from verify.criterion import judge
-from verify.runner import call, to_impl, unpack
+from verify.calling import call, to_impl, unpack
 
 from .strategies import cases, seeds
 

@@ -89,7 +89,7 @@ def test_numba_kernel_in_simulator_passes(shard):
     case) that CI's two workers take side by side: the whole took 4 minutes of one.
     float32 only: in the simulator each more dtype costs about 45 s of CI. The half-precision
     variants are checked by tests/test_kernel.py and `pytest conformance` here, and by
-    scripts/dev/gpu_check.py's battery on the GPU."""
+    tests/test_gpu.py's battery on the GPU."""
     suite = battery("quick", ("float32",), max_head_dim=load("numba").supports.max_head_dim)
     cases = [(case, seed) for seed, case in enumerate(suite)][shard::2]
     report = verify.compare("numba", cases=cases, progress=False)
@@ -276,7 +276,7 @@ def test_failure_map_names_what_failures_share():
 
 
 def test_fully_masked_conventions_are_named():
-    from verify.runner import fully_masked_convention
+    from verify.pipeline import fully_masked_convention
 
     case = Case("c", 1, 2, 2, 9, 5, 4, 4, "float32", causal="bottom_right")
     q, k, v, options = make_inputs(case, 0)

@@ -80,15 +80,15 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
                 hung = case.name
         report.cases.append(result)
         if progress:
-            print(f"\r[{i + 1}/{len(cases)} {time.perf_counter() - t0:5.0f}s] "
-                  f"{result.verdict:11s} {case.name[:50]:50s}", end="", file=sys.stderr,
-                  flush=True)
+            _progress(f"[{i + 1}/{len(cases)} {time.perf_counter() - t0:5.0f}s] "
+                      f"{result.verdict:11s} {case.name[:50]:50s}", done=True)
             if result.verdict == "fail":  # the first line now; the whole detail in the report
-                print(f"\n  {result.detail.splitlines()[0][:200]}", file=sys.stderr)
+                _progress(f"  {result.detail.splitlines()[0][:200]}", done=True, keep=True)
             if case.sampled and "phases: " in result.detail:
-                print("\n  " + result.detail.splitlines()[-1], file=sys.stderr)
-    if progress:
+                _progress("  " + result.detail.splitlines()[-1], done=True, keep=True)
+    if progress and sys.stderr.isatty():
         print(file=sys.stderr)
+    report.duration_s = time.perf_counter() - t0
     if not explicit:  # what the cases that ran exercised, of this run's dtypes
         report.coverage = impl.supports.coverage(
             [r.case for r in report.cases if r.verdict in ("pass", "fail")], dtypes,
@@ -112,9 +112,20 @@ def _check_arguments(dtypes, seed, cases, backward):
 
 def _progress_line(i, n, t0, case):
     def say(phase):
-        print(f"\r[{i + 1}/{n} {time.perf_counter() - t0:5.0f}s] {phase[:22]:22s}... "
-              f"{case.name[:38]:38s}", end="", file=sys.stderr, flush=True)
+        _progress(f"[{i + 1}/{n} {time.perf_counter() - t0:5.0f}s] {phase[:22]:22s}... "
+                  f"{case.name[:38]:38s}", done=False)
     return say
+
+
+def _progress(line, done, keep=False):
+    """A progress line on stderr. On a terminal each line overwrites the last (kept: a new
+    line of its own); in a log every finished line is a line, and the phases within a case
+    (done=False) are left out."""
+    if sys.stderr.isatty():  # a kept line ends its own line: the next one starts below it
+        print(("\n" if keep else "\r") + line, end="\n" if keep else "", file=sys.stderr,
+              flush=True)
+    elif done:
+        print(line.rstrip(), file=sys.stderr, flush=True)
 
 
 def _spec(fn):
@@ -137,11 +148,16 @@ def _implementation(impl):
 def replay(certificate, impl=None, **kw):
     """Re-run the failed cases of a saved certificate (a path or its dict), with their seeds,
     against impl (default: the implementation the certificate names). Returns a Report."""
-    if not isinstance(certificate, dict):
-        with open(certificate) as f:
-            certificate = json.load(f)
-    failed = [(_case(c["case"]), c["seed"]) for c in certificate["cases"]
-              if c["verdict"] == "fail"]
+    where = "certificate" if isinstance(certificate, dict) else str(certificate)
+    try:
+        if not isinstance(certificate, dict):
+            with open(certificate) as f:
+                certificate = json.load(f)
+        failed = [(_case(c["case"]), c["seed"]) for c in certificate["cases"]
+                  if c["verdict"] == "fail"]
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{where} is not a verify certificate (written by --json or "
+                         f"Report.save): {type(e).__name__}: {e}") from None
     impl = impl or certificate.get("impl_spec") or certificate["implementation"]["name"]
     report = compare(impl, cases=failed, suite=f"replay of {certificate.get('suite')}", **kw)
     report.nothing_to_replay = not failed

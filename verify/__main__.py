@@ -1,22 +1,27 @@
 """python -m verify IMPL [--suite auto|quick|standard|full|scale] [--backward] [--dtype ...]
-                        [--json PATH]
+                        [--json PATH] [--quiet]
    python -m verify --replay CERTIFICATE.json [IMPL]
 
-IMPL: a built-in adapter (numba, numba-plain, reference, torch-math, torch-efficient,
-torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn) or MODULE:CALLABLE. Prints the report; writes the
-JSON certificate with --json. --replay re-runs a certificate's failed cases with their seeds
+IMPL: a built-in adapter (listed by --help) or MODULE:CALLABLE. Prints the report; writes
+the JSON certificate with --json. Progress goes to stderr: a line rewritten in place on a
+terminal, a line per case in a log, none with --quiet. --replay re-runs a certificate's failed cases with their seeds
 (against IMPL, or the implementation the certificate names). --backward certifies the
 gradients dq, dk, dv instead (through autograd or jax.vjp for torch and JAX implementations).
 Exit code 0 only when the implementation passes; 2 for a bad command line.
 """
 import argparse
+import os
 import sys
 
+from .adapters import BUILTIN_NAMES
 from .device import use_simulator_if_no_gpu
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m verify", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m verify", description="Certify an attention implementation against "
+        "the float64 reference.", epilog="built-in adapters: " + ", ".join(BUILTIN_NAMES)
+        + " (verify/adapters.py says what each is)")
     ap.add_argument("impl", nargs="?", help="built-in adapter name or MODULE:CALLABLE")
     ap.add_argument("--replay", metavar="CERTIFICATE",
                     help="re-run the failed cases of this JSON certificate")
@@ -37,17 +42,25 @@ def main(argv=None):
     ap.add_argument("--layout", choices=["bhnd", "bnhd"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the certificate here")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines")
     a = ap.parse_args(argv)
     if not a.impl and not a.replay:
         ap.error("name an implementation (IMPL), or a certificate with --replay")
+    if a.impl and ":" not in a.impl and a.impl not in BUILTIN_NAMES:
+        return _refused(f"unknown implementation {a.impl!r}: use one of "
+                        f"{', '.join(BUILTIN_NAMES)}, or MODULE:CALLABLE")
+    if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
+        return _refused(f"--json {a.json}: the folder "
+                        f"{os.path.dirname(os.path.abspath(a.json))} does not exist")
     simulated = use_simulator_if_no_gpu()
-    if simulated:
+    if simulated and (a.impl or "").startswith("numba"):
         print("no GPU found: Numba kernels run in the CUDA simulator (tiny sizes only)",
               file=sys.stderr)
     suite = a.suite if a.suite != "auto" else ("quick" if simulated else "standard")
     from . import compare, replay
 
-    options = dict(array=a.array, device=a.device, layout=a.layout, timeout=a.timeout)
+    options = dict(array=a.array, device=a.device, layout=a.layout, timeout=a.timeout,
+                   progress=not a.quiet)
     try:
         if a.replay:
             report = replay(a.replay, a.impl, **options)
@@ -62,6 +75,12 @@ def main(argv=None):
         report.save(a.json)
         print(f"certificate written to {a.json}")
     return 0 if report.passed else 1
+
+
+def _refused(message):
+    """A bad command line: the message on stderr, exit code 2 (before anything runs)."""
+    print(f"python -m verify: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -229,8 +229,13 @@ class Implementation:
         return self.costs() if self.costs else None
 
 
+BUILTIN_NAMES = ("reference", "numba", "numba-plain", "numba-tuned-backward",
+                 "numba-mma-backward", "numba-mma", "torch-math", "torch-efficient",
+                 "torch-flash", "torch-cudnn", "flash-attn", "jax-xla", "jax-cudnn")
+
+
 def builtin(name):
-    """A built-in adapter by name (see the module docstring)."""
+    """A built-in adapter by name (BUILTIN_NAMES; the module docstring says what each is)."""
     factories = {"reference": _reference, "numba": _numba, "numba-plain": lambda: _numba(True),
                  "numba-tuned-backward": lambda: _numba(backward_kernel="tuned"),
                  "numba-mma-backward": lambda: _numba(backward_kernel="mma"),
@@ -240,9 +245,10 @@ def builtin(name):
         factories[f"torch-{backend}"] = lambda b=backend: _torch_sdpa(b)
     for impl in ("xla", "cudnn"):
         factories[f"jax-{impl}"] = lambda i=impl: _jax(i)
+    assert sorted(factories) == sorted(BUILTIN_NAMES)
     if name not in factories:
-        raise ValueError(f"unknown implementation {name!r}: use one of {sorted(factories)} "
-                         f"or MODULE:CALLABLE")
+        raise ValueError(f"unknown implementation {name!r}: use one of "
+                         f"{', '.join(BUILTIN_NAMES)}, or MODULE:CALLABLE")
     return factories[name]()
 
 
@@ -287,9 +293,8 @@ def _numba(plain=False, backward_kernel="plain"):
     numba_kernels/plain_fwd.py; gradients from the backward kernels `backward_kernel`
     (flash_attention_backward's kernel=). backward_kernel "mma" (float32 alone) takes the
     tensor-core forward too: the backward's scores are then the forward's."""
-    from numba_kernels import (flash_attention, flash_attention_backward,
+    from numba_kernels import (SIMULATOR, flash_attention, flash_attention_backward,
                                halves_range_why_not, plain_attention)
-    from numba_kernels.convert import SIMULATOR
 
     def halves(**named):  # "mma" (float32 as halves) where their range holds the values
         return "mma" if halves_range_why_not(named) is None else "simt"
@@ -351,12 +356,11 @@ def _numba_costs():
 
 
 def _warm_kernels(forward, backward, say):
-    """Our kernels' variants that calls of `forward` and `backward` (specs.variants) can
+    """Our kernels' variants that calls of `forward` and `backward` (numba_kernels.warm_variants) can
     launch, compiled into the disk cache on every core (Implementation.warm)."""
-    from numba_kernels.compile_cache import warm
-    from numba_kernels.specs import variants
+    from numba_kernels import warm_variants
 
-    warm(variants(forward, backward), say=say)
+    warm_variants(forward, backward, say=say)
 
 
 def _numba_mma():
@@ -364,9 +368,8 @@ def _numba_mma():
     where a row ends non-finite are done again by its careful variant) and the backward of
     flash_mma_bwd.py (flash_attention_backward(kernel="mma"): tiles holding a NaN or an inf
     take its nonfinite variant); float16 and bfloat16, head dims multiples of 8 up to 128."""
-    from numba_kernels import flash_attention_backward, mma_attention
-    from numba_kernels.convert import SIMULATOR
-    from numba_kernels.flash_mma import MMA_DTYPES, MMA_WIDTHS
+    from numba_kernels import (MMA_DTYPES, MMA_WIDTHS, SIMULATOR, flash_attention_backward,
+                               mma_attention)
 
     def grad(q, k, v, dout, **options):
         out, lse = mma_attention(q, k, v, return_lse=True, **options)

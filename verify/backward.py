@@ -21,6 +21,8 @@ import numpy as np
 from reference.dtypes import cast
 from .cases import POISONS, SPREAD, Case, battery, ladder, poison_rows, visibility
 from .criterion import judge_backward
+from .calling import Fail, bits, call, converter, host, to_impl
+from .pipeline import empty_rows, verdict
 from .report import CaseResult
 
 DOUTS = {
@@ -81,8 +83,6 @@ def make_dout(case, seed):
 
 def run_backward_case(impl, case, seed, inputs):
     """The CaseResult of one backward case, inputs from make_inputs."""
-    from .runner import (Fail, _verdict, bits, call, converter, empty_rows, host, to_impl)
-
     q, k, v, options = inputs
     dout, notes = make_dout(case, seed), []
     for part in (case.poison or "").split(","):
@@ -116,7 +116,7 @@ def run_backward_case(impl, case, seed, inputs):
     except Fail as e:
         return CaseResult(case, seed, "fail", str(e), seconds=time.perf_counter() - t0)
     comparisons = judge_backward(q, k, v, dout, grads, dtype=case.dtype, **options)
-    return _verdict(case, seed, comparisons, notes, seconds)
+    return verdict(case, seed, comparisons, notes, seconds)
 
 
 def _dout_arg(impl, case, dout, convert):
@@ -130,8 +130,6 @@ def _dout_arg(impl, case, dout, convert):
 
 def _unpack(impl, case, grads, host):
     """(dq, dk, dv) as float64 NumPy arrays in the contract's layout, after checking them."""
-    from .runner import Fail
-
     if not (isinstance(grads, (tuple, list)) and len(grads) == 3):
         raise Fail(f"grad returned {type(grads).__name__}; expected (dq, dk, dv)")
     shapes = [(case.B, case.Hq, case.Nq, case.D), (case.B, case.Hk, case.Nk, case.D),

@@ -1,6 +1,6 @@
 """The call checks (cases.CHECKS): properties of a call that one call cannot show, run at the
 kernel's minimal claim. Each runner takes (impl, case, seed, inputs) and returns (inputs the
-result is judged against, out, lse, notes) like runner.call_and_check, or raises runner.Fail.
+result is judged against, out, lse, notes) like pipeline.call_and_check, or raises calling.Fail.
 
     fresh-inputs   a cache keyed on pointers, shapes or values returns a stale answer
     batch-alone    a result that depends on the rest of the batch (bitwise, when claimed)
@@ -11,7 +11,8 @@ import numpy as np
 
 from reference.dtypes import cast
 from .cases import make_inputs
-from .runner import Fail, bits, call, call_and_check, converter, to_impl, unpack
+from .calling import Fail, bits, call, converter, to_impl, unpack
+from .pipeline import call_and_check, judge_result
 
 FRESH_SEED = 1_000_003  # the second inputs of fresh-inputs: seed + this
 SENTINEL = 12345.0  # what out-buffer's guard bytes hold
@@ -80,8 +81,6 @@ def batch_alone(impl, case, seed, inputs):
 
 
 def _judge_alone(impl, case, seed, inputs, out, lse, where):
-    from .runner import judge_result
-
     result = judge_result(impl, case, seed, inputs, out, lse, [], 0.0)
     if result.verdict != "pass":
         raise Fail(f"(batch, head) {where} computed alone is wrong:\n{result.detail}")
@@ -91,7 +90,7 @@ def stream(impl, case, seed, inputs):
     """On a fresh non-default stream, the inputs are written only after a delay queued on
     that stream, then the kernel is called with that stream current, and its output is read
     on that stream. Work launched elsewhere reads the inputs before they are written. All of
-    it in the calling thread (torch's current stream is per thread), under runner.call."""
+    it in the calling thread (torch's current stream is per thread), under calling.call."""
     gpu = _TorchStreams() if impl.array == "torch" else _CupyStreams()
     ready, kwargs = to_impl(impl, case, inputs)
     gpu.synchronize()

@@ -61,6 +61,7 @@ class Report:
     coverage: dict = field(default_factory=dict)  # claimed capability -> cases exercising it
     battery_hash: str = ""
     nothing_to_replay: bool = False  # a replay of a certificate that records no failure
+    duration_s: float = 0.0  # the whole run, seconds
 
     @property
     def failures(self):
@@ -86,6 +87,7 @@ class Report:
         return dict(implementation=self.implementation, impl_spec=self.impl_spec,
                     suite=self.suite, seed=self.seed, battery_hash=self.battery_hash,
                     environment=self.environment, verdict="pass" if self.passed else "fail",
+                    duration_s=round(self.duration_s, 1),
                     counts=self.counts(), costs=self.costs,
                     failure_map=[f.to_dict() for f in failure_map(self.cases)],
                     fully_masked_rows=conventions(self.cases), coverage=self.coverage,
@@ -163,11 +165,14 @@ class Report:
             lines.append(f"{r.case.name[:44]:44s} {r.verdict:12s} {err:11.2e} "
                          f"{r.worst_ratio:9.3f} {r.seconds:7.2f}")
         c = self.counts()
-        lines.append(f"{self.implementation.get('name')} ({self.implementation.get('version')})"
-                     f" on {self.environment.get('device')}: {c['pass']} passed, "
+        version = self.implementation.get("version")
+        lines.append(f"{self.implementation.get('name')}"
+                     + (f" ({version})" if version else "")
+                     + f" on {self.environment.get('device')}: {c['pass']} passed, "
                      f"{c['fail']} failed, {c['not claimed']} not claimed"
                      + (f", {c['skipped']} skipped" if c["skipped"] else "")
-                     + f" -> {'PASS' if self.passed else 'FAIL'}")
+                     + f" -> {'PASS' if self.passed else 'FAIL'}"
+                     + (f" in {self.duration_s:.0f} s" if self.duration_s else ""))
         if self.costs:
             lines.append(self.costs)
         for r in self.failures:
@@ -188,6 +193,7 @@ def environment(impl):
     env = dict(timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), python=platform.python_version(), machine=platform.machine(),
         device="cpu", project=_project_version(), commit=_commit())
+    env["uncommitted_changes"] = env["commit"].endswith("+dirty") if env["commit"] else None
     for module in ("numpy", "numba", "numba_cuda", "torch", "cupy", "jax"):
         version = _loaded_version(module)
         if version:
@@ -236,7 +242,8 @@ def _project_version():
 
 
 def _commit():
-    """The git commit of this checkout (with "+dirty" if it has changes), or ""."""
+    """The git commit of this checkout (with "+dirty" if it has changes to tracked files), or
+    "" where it is not a git checkout."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if not os.path.exists(os.path.join(root, ".git")):
         return ""
