@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, the stages named as arguments (default: kernel numba sdpa), logs in $OUT:
-#   kernel      the kernel's battery and sanitizers (gpu_check --quick), then layout_check.py
+#   kernel      the GPU tests (pytest -m gpu: the battery on poisoned outputs, replay,
+#               strided inputs, mma.sync's rounding, sanitizers)
 #   numba       pytest conformance against our kernel, gpu profile, timed
 #   sdpa        pytest conformance against each PyTorch SDPA backend: gpu profile,
 #               SDPA_EXAMPLES examples a property, no shrinking (a survey of what each does)
@@ -12,6 +13,9 @@
 # SDPA_IMPLS: the backends to survey (default all four).
 # Time limits: CONFORMANCE_TIMEOUT (numba), SDPA_TIMEOUT (each backend), in seconds. A suite
 # that runs out of time is interrupted (SIGINT), so pytest still prints the failures so far.
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  sed -n '2,/^set -u/p' "$0" | grep "^#" | sed 's/^# \{0,1\}//'; exit 0
+fi
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -45,9 +49,8 @@ for stage in "${stages[@]}"; do
   start=$(date +%s)
   case $stage in
     kernel)
-      python3 scripts/dev/gpu_check.py --quick --out "$OUT" > "$OUT/check.log" 2>&1
-      echo "gpu_check: rc=$? in $(( $(date +%s) - start )) s"; tail -3 "$OUT/check.log"
-      python3 scripts/dev/layout_check.py 2>&1 | grep -v Warning | tee "$OUT/layout.log" ;;
+      python3 -m pytest -q -m gpu tests/test_gpu.py > "$OUT/check.log" 2>&1
+      echo "pytest -m gpu: rc=$? in $(( $(date +%s) - start )) s"; tail -3 "$OUT/check.log" ;;
     numba) run_numba ;;
     cache)
       export FLASH_KERNEL_CACHE=$(mktemp -d)

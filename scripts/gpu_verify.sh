@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # On a GPU machine: verify's suites against our kernel, every PyTorch SDPA backend and JAX,
-# the kernel's A/B timing against an older version, its battery and sanitizers.
+# the kernel's A/B against an older revision (AB_OLD, scripts/ab.py), the GPU tests.
 # STEPS picks the parts (default "ab check verify broken findings scale"; "backward" runs the
 # standard backward suite on BACKWARD_IMPLS); logs and certificates go
 # to $OUT. The A/B runs alone (timing); the correctness steps run side by side, each within
 # JOB_TIMEOUT seconds (default 420).
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+  sed -n '2,/^set -u/p' "$0" | grep "^#" | sed 's/^# \{0,1\}//'; exit 0
+fi
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -26,15 +29,15 @@ step() { [[ " $STEPS " == *" $1 "* ]]; }
 summary() {  # the failure map and the verdict line of a verify log
   grep -E "^(failure map|  |fully masked|VERIFY BUG|.* passed, .* failed)" "$1" | head -8
 }
-if step ab && [[ -f numba_kernels/_ab_old_flash_fwd.py ]]; then
+if step ab && [[ -n "${AB_OLD:-}" ]]; then  # AB_OLD: the older git revision (scripts/ab.py)
   start=$(date +%s)
-  timeout 200 python3 scripts/dev/ab_kernel.py > "$OUT/ab.log" 2>&1
+  timeout 400 python3 scripts/ab.py --old "$AB_OLD" > "$OUT/ab.log" 2>&1
   echo "ab rc=$? in $(( $(date +%s) - start )) s"; tail -7 "$OUT/ab.log"
 fi
 pids=()
 if step check; then
-  (timeout "${JOB_TIMEOUT:-420}" python3 scripts/dev/gpu_check.py --quick --out "$OUT" > "$OUT/check.log" 2>&1;
-   echo "gpu_check rc=$?" >> "$OUT/check.log") &
+  (timeout "${JOB_TIMEOUT:-420}" python3 -m pytest -q -m gpu tests/test_gpu.py > "$OUT/check.log" 2>&1;
+   echo "pytest -m gpu rc=$?" >> "$OUT/check.log") &
   pids+=($!)
 fi
 if step verify; then
@@ -76,7 +79,7 @@ if step backward; then
 fi
 if step broken; then echo "== broken default-stream kernel: $(tail -2 "$OUT/broken.log" | head -1)"; fi
 if step findings; then
-  timeout 120 python3 scripts/dev/gpu_findings.py > "$OUT/findings.log" 2>&1
+  timeout 120 python3 docs/findings/forward_repro.py > "$OUT/findings.log" 2>&1
   echo "== findings rc=$?"; cat "$OUT/findings.log" | grep -v Warning | head -40
 fi
 if step scale; then

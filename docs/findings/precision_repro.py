@@ -2,7 +2,7 @@
 head lands from the float64 truth when the heads' magnitudes lie far apart, the normwise error
 at a real size, and the speed at (2, 16, 8192, 128). Needs torch with CUDA.
 
-    python scripts/dev/precision_check.py [--part disparity,normwise,speed] [--out DIR]
+    python docs/findings/precision_repro.py [--part disparity,normwise,speed] [--out DIR]
 
 disparity: four heads, head 0's q times 2^e and k times 2^-e (the scores unchanged), e from 0
 to 40; the largest error of each head over that head's largest |truth| (out, and dq, dk, dv

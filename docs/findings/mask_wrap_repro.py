@@ -1,7 +1,7 @@
 """Reproducer: PyTorch's efficient SDPA backend with a boolean mask of more than 2^32
 elements. Prints the query rows whose output is wrong (against float64 on those rows).
 
-    python scripts/dev/gpu_wrap_repro.py [N ...]      (default 65535 65552; N*N vs 2^32)
+    python docs/findings/mask_wrap_repro.py [N ...]      (default 65535 65552; N*N vs 2^32)
 """
 import sys
 

@@ -1,7 +1,7 @@
 """The smallest reproducers of what verify found in third-party kernels on the GPU, each
 printed with what it shows. Needs torch (CUDA) and JAX.
 
-    python scripts/dev/gpu_findings.py
+    python docs/findings/forward_repro.py
 """
 import os
 

@@ -1,7 +1,7 @@
 """On a GPU: the smallest inputs on which the backward failures of verify's suite reproduce,
 each against float64 truth (torch's math backend on the CPU), with nothing of this project.
 
-    python3 scripts/dev/gpu_backward_repro.py
+    python3 docs/findings/backward_repro.py
 
 Each suspect is tried on growing shapes (smallest first); a line per shape gives the largest
 gradient error (or which gradients are not finite). docs/findings.md keeps the verdicts.

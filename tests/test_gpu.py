@@ -1,0 +1,184 @@
+"""What only a GPU shows about our kernels, as tests: `pytest -m gpu` on a GPU machine (with
+torch CUDA) runs them all; in the simulator they are skipped.
+
+- verify's standard suite on flash_attention's default with every output buffer poisoned
+  with NaN first (an element the kernel never writes shows) and every call preceded by a
+  call of the same layout on other tensors, so that the judged call reuses that launch plan
+  (launch.py) and must take every pointer from its own arguments;
+- replayed calls (replay.py) bitwise equal to whole ones, and the layouts that replay;
+- how mma.sync rounds its sums: the model tests/test_halves.py and warp.py build on;
+- compute-sanitizer's racecheck and memcheck on small launches of several variants, where
+  compute-sanitizer is on the PATH.
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from numba_kernels import SIMULATOR
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(SIMULATOR or not torch.cuda.is_available(),
+                                 reason="a GPU test (pytest -m gpu on a GPU machine)")]
+
+
+def test_the_standard_suite_passes_with_poisoned_outputs_and_reused_launch_plans(monkeypatch):
+    import verify
+    from numba_kernels import arrays, flash_attention, launch
+
+    def poisoned(self, shape, dtype):
+        return torch.full(shape, float("nan"), dtype=getattr(torch, dtype), device=self.device)
+
+    monkeypatch.setattr(arrays.TorchIO, "empty", poisoned)
+
+    def same_layout(x):  # other values in x's shape and strides (stride-0 ones too)
+        size = 1 + sum((n - 1) * step for n, step in zip(x.shape, x.stride()))
+        if x.numel() == 0:
+            return torch.empty_like(x)
+        return torch.randn(size, device=x.device).to(x.dtype).as_strided(x.shape, x.stride())
+
+    def after_a_call_on_other_tensors(q, k, v, **options):
+        flash_attention(*(same_layout(x) for x in (q, k, v)), **options)
+        return flash_attention(q, k, v, **options)
+
+    impl = verify.builtin("numba")
+    impl.fn = after_a_call_on_other_tensors
+    before = launch.FAST_LAUNCHES[0]
+    report = verify.compare(impl, suite="standard", progress=False)
+    assert report.passed, str(report)
+    assert launch.FAST_LAUNCHES[0] > before, "every call took Numba's own launch path"
+
+
+# (B, Hq, Hk, Nq, Nk, D, Dv, dtype, options, layout, replayed)
+REPLAY_CASES = {
+    "bf16 causal": (2, 4, 4, 200, 200, 128, 128, "bfloat16", dict(causal="top_left"), {},
+                    True),
+    "bf16 lse": (1, 3, 3, 65, 129, 128, 128, "bfloat16", dict(return_lse=True), {}, True),
+    "bf16 gqa window": (2, 8, 2, 97, 300, 64, 64, "bfloat16",
+                        dict(window=(40, 3), causal="bottom_right", scale=0.3), {}, True),
+    "bf16 decoding": (4, 8, 8, 1, 4096, 128, 128, "bfloat16", {}, {}, True),
+    "fp32 simt": (2, 2, 2, 70, 70, 64, 64, "float32", dict(causal="top_left"), {}, True),
+    "bf16 strided q": (1, 2, 2, 64, 64, 64, 64, "bfloat16", {}, dict(strided=True), False),
+    "bf16 q is k": (1, 2, 2, 64, 64, 64, 64, "bfloat16", {}, dict(same=True), True),
+}
+
+
+@pytest.mark.parametrize("name", list(REPLAY_CASES))
+def test_a_replayed_call_is_bitwise_the_whole_one(name):
+    from numba_kernels import flash_attention, replay
+
+    b, hq, hk, nq, nk, d, dv, dtype, options, layout, replayed = REPLAY_CASES[name]
+    dt = getattr(torch, dtype)
+
+    def inputs():
+        q = torch.randn(b, hq, nq, d, device="cuda", dtype=dt)
+        if layout.get("strided"):
+            q = torch.randn(b, nq, hq, d, device="cuda", dtype=dt).transpose(1, 2)
+        k = q if layout.get("same") else torch.randn(b, hk, nk, d, device="cuda", dtype=dt)
+        return q, k, torch.randn(b, hk, nk, dv, device="cuda", dtype=dt)
+
+    with torch.no_grad():
+        flash_attention(*inputs(), **options)
+        second = inputs()
+        before = replay.REPLAYED[0]
+        got = flash_attention(*second, **options)
+        assert (replay.REPLAYED[0] > before) == replayed
+        replay.forget()
+        want = flash_attention(*second, **options)
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_mma_sync_cuts_its_sums_toward_zero_as_the_model_says():
+    """Every A and B element of one warp's mma.sync the same float16 value, so every element
+    of D is c + 16 a b, exact in float64: the GPU returns what tests/test_halves.py's model
+    of its sums says (each product cut to the ulp of the largest addend, the sum toward
+    zero), not the nearest float32, where the two differ."""
+    from numba import cuda
+
+    from numba_kernels import warp
+
+    quarter = 0.75 * 2.0**-13
+    cases = [(1.0, quarter, 2.0**-14, 1.0), (-1.0, quarter, -2.0**-14, -1.0),
+             (1.0, quarter, -2.0**-16, 1.0), (3.0, quarter, 2.0**-14, 3.0),
+             (1.0, 2.0**-12, 819 * 2.0**-24, 1.0)]  # (c, a, b, what the H200 returns)
+
+    @cuda.jit
+    def probe(a_s, bs, cs, out):
+        for i in range(cs.size):
+            aw = warp.pack_f16(a_s[i], a_s[i])
+            bw = warp.pack_f16(bs[i], bs[i])
+            d0, _, _, _ = warp.mma_f16(aw, aw, aw, aw, bw, bw, cs[i], cs[i], cs[i], cs[i])
+            if cuda.threadIdx.x == 0:
+                out[i] = d0
+
+    cs, a_s, bs, want = (np.array(x, np.float32) for x in zip(*cases))
+    out = np.zeros(len(cases), np.float32)
+    probe[1, 32](a_s, bs, cs, out)
+    assert (out == want).all(), out
+    nearest = cs.astype(np.float64) + 16 * a_s.astype(np.float64) * bs.astype(np.float64)
+    assert (out != nearest.astype(np.float32)).any()  # the cases tell the two apart
+
+
+SANITIZED = """
+import torch
+from numba_kernels import flash_attention, flash_attention_backward
+g = torch.Generator(device="cuda").manual_seed(0)
+def r(*s, dt=torch.float32):
+    return torch.randn(*s, device="cuda", generator=g).to(dt)
+m = torch.rand(2, 1, 200, 77, device="cuda", generator=g) < 0.5
+flash_attention(r(2, 2, 200, 64), r(2, 1, 77, 64), r(2, 1, 77, 64), mask=m, causal="top_left")
+flash_attention(r(1, 2, 100, 128, dt=torch.bfloat16), r(1, 2, 150, 128, dt=torch.bfloat16),
+                r(1, 2, 150, 128, dt=torch.bfloat16), causal="bottom_right",
+                kv_lengths=torch.tensor([111], device="cuda", dtype=torch.int32))
+flash_attention(r(1, 1, 40, 256, dt=torch.float16), r(1, 1, 70, 256, dt=torch.float16),
+                r(1, 1, 70, 256, dt=torch.float16), window=(9, 3), return_lse=True)
+flash_attention(r(2, 4, 1, 64, dt=torch.float16), r(2, 4, 900, 64, dt=torch.float16),
+                r(2, 4, 900, 64, dt=torch.float16), num_splits=5, causal="bottom_right")
+vn = r(1, 2, 150, 64, dt=torch.bfloat16)
+vn[0, 0, 70] = float("nan")
+flash_attention(r(1, 4, 100, 128, dt=torch.bfloat16), r(1, 2, 150, 128, dt=torch.bfloat16),
+                vn, causal="bottom_right", kernel="mma")
+for dt, kernel in ((torch.float32, "tuned"), (torch.bfloat16, "mma")):
+    q, k, v = r(1, 2, 100, 64, dt=dt), r(1, 2, 130, 64, dt=dt), r(1, 2, 130, 64, dt=dt)
+    out, lse = flash_attention(q, k, v, causal="bottom_right", return_lse=True,
+                               kernel="simt" if kernel == "tuned" else "mma")
+    flash_attention_backward(q, k, v, out, lse, torch.ones_like(out), causal="bottom_right",
+                             kernel=kernel)
+torch.cuda.synchronize()
+print("launches done")
+"""
+
+
+@pytest.mark.skipif(shutil.which("compute-sanitizer") is None,
+                    reason="compute-sanitizer is not on the PATH")
+@pytest.mark.parametrize("tool", ["racecheck", "memcheck"])
+def test_compute_sanitizer_finds_nothing(tool, tmp_path):
+    script = tmp_path / "launches.py"
+    script.write_text(SANITIZED)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run(["compute-sanitizer", "--tool", tool, "--report-api-errors", "no",
+                          sys.executable, str(script)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    text = run.stdout + run.stderr
+    assert run.returncode == 0 and "launches done" in text, text[-3000:]
+    assert "ERROR SUMMARY: 0 errors" in text or "RACECHECK SUMMARY: 0 hazards" in text, \
+        text[-3000:]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_strided_inputs_give_the_contiguous_outputs_bitwise(dtype):
+    """(B, N, H, D) storage seen as (B, H, N, D): the same sums in the same order."""
+    from numba_kernels import flash_attention
+
+    bnhd = [torch.randn(2, 300, 4, 64, device="cuda", dtype=getattr(torch, dtype))
+            for _ in "qkv"]
+    strided = [x.permute(0, 2, 1, 3) for x in bnhd]
+    with torch.no_grad():
+        assert torch.equal(flash_attention(*strided, causal="bottom_right"),
+                           flash_attention(*(x.contiguous() for x in strided),
+                                           causal="bottom_right"))
