@@ -66,7 +66,7 @@ def events_ms(fn, reps, repeats=7, before=None):
     """Median over `repeats` of the ms between CUDA events around `reps` calls of fn after a
     synchronize, divided by reps (reps > 1: back to back). before: called after the
     synchronize, ahead of the first event (work that keeps the GPU busy hides the host's
-    time from the events: scripts/dev/careful_cost.py)."""
+    time from the events)."""
     out = []
     for _ in range(repeats):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
