@@ -613,6 +613,21 @@ def test_a_truth_past_the_dtypes_range_is_the_inf_it_rounds_to():
     assert compare("dq", np.array([1.0, 7e4, -7e4]), truth, truth, "float32").passed
 
 
+def test_either_side_of_the_overflow_is_taken_within_the_bound():
+    """float16 at a slice scale near 65504 has a bound of 2 eps 65504 = 128: a truth of 65500
+    may come back as inf, and a truth of 65530 (past the range) as 65504; a truth of 60000
+    may not be inf, nor may an inf take the wrong sign."""
+    from verify.criterion import compare
+
+    def passes(got, truth):
+        truth = np.array([1.0, truth])
+        return compare("dq", np.array([1.0, got]), truth, truth, "float16").passed
+
+    assert passes(np.inf, 65500.0) and passes(65504.0, 65530.0)
+    assert not passes(np.inf, 60000.0) and not passes(-np.inf, 65500.0)
+    assert not passes(65504.0, 7e4)
+
+
 @pytest.mark.parametrize("shape", [(0, 2, 3, 4), (1, 0, 3, 4), (1, 2, 0, 4), (2, 3), (0,)])
 def test_empty_tensors_are_judged_without_error(shape):
     from verify.criterion import compare

@@ -13,7 +13,9 @@ axes), each slice against its own values:
 
 and the non-finite values (NaN, +-inf) sit at exactly the places where the truth has them
 (which non-finite value is not checked: docs/contract.md says why), a truth past the dtype's
-largest value counting as the inf it rounds to. K = 2, as
+largest value counting as the inf it rounds to, and an inf of the truth's sign taken where
+the truth lies within the bound of the dtype's largest value (either side of the overflow
+is then within the rule: 65500 in float16 with a bound of 128 may come back as inf). K = 2, as
 flash-attn's own tests use. The floor is a few units of the output dtype's resolution at the
 slice's own scale (FLOOR_ULPS): it covers the final rounding to the output dtype, which even a
 perfect kernel cannot avoid, and cases where the plain implementation happens to be exact.
@@ -70,6 +72,9 @@ FLOOR_ULPS = {"float16": 2.0, "bfloat16": 2.0, "float32": 16.0, "float64": 16.0}
 # there).
 UNDERFLOW = {"float16": 2.0**-24, "bfloat16": 2.0**-126, "float32": 2.0**-126,
              "float64": 2.0**-1022}
+# The largest finite value of each dtype: past it (by half a unit) a value rounds to inf.
+LARGEST = {"float16": 65504.0, "bfloat16": (2.0 - 2.0**-7) * 2.0**127,
+           "float32": (2.0 - 2.0**-23) * 2.0**127, "float64": float(np.finfo(np.float64).max)}
 
 
 @dataclass
@@ -198,15 +203,18 @@ def compare(name, got, truth, plain, dtype, score_term=0.0, at_least=0.0):
     number; at_least: the smallest scale the floor takes (1 for lse). Never raises on bad
     values: NaN, inf and huge errors are reported, not thrown.
     """
+    raw = np.asarray(truth, dtype=np.float64)  # before a truth past the range becomes inf
     truth, err, plain_err, rel, same_nonfinite = _errors(got, truth, plain, dtype)
     lead = truth.shape[:2] if truth.ndim >= 3 else ()
     rows = int(np.prod(lead)) if lead else 1
     width = truth.size // rows if rows else 0  # elements a slice (a tensor may be empty)
     err_s, plain_s, scale_s = (a.reshape(rows, width).max(axis=1, initial=0.0) for a in (
-        err, plain_err, np.where(np.isfinite(truth), np.abs(truth), 0.0)))
+        err, plain_err, np.where(np.isfinite(raw), np.abs(raw), 0.0)))
     term = np.broadcast_to(np.asarray(score_term, dtype=np.float64), lead).reshape(rows) \
         if lead else float(np.max(score_term))
     bound_s = K * plain_s + floor(dtype, scale_s, term, at_least)
+    bound = np.broadcast_to(bound_s[:, None], (rows, width)).reshape(truth.shape)
+    same_nonfinite |= _across_overflow(got, raw, bound, dtype)
     over = (err.reshape(rows, width) > bound_s[:, None]).reshape(truth.shape) | ~same_nonfinite
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio_s = np.where(bound_s > 0, err_s / bound_s, np.where(err_s > 0, np.inf, 0.0))
@@ -249,6 +257,21 @@ def _errors(got, truth, plain, dtype):
         rel = np.where(fin_t & fin_g, err / np.maximum(np.abs(truth),
                                                        np.finfo(np.float64).tiny), 0.0)
     return truth, err, plain_err, rel, fin_t == fin_g
+
+
+def _across_overflow(got, truth, bound, dtype):
+    """Where the truth (float64, as computed) and got lie within `bound` of each other on the
+    two sides of the dtype's overflow: an inf of the truth's sign where the truth is within
+    the bound of the dtype's largest value, or a finite value within the bound of a truth
+    past it. Both are within the rule."""
+    got = np.asarray(got, dtype=np.float64)
+    big = LARGEST[dtype]
+    with np.errstate(invalid="ignore", over="ignore"):
+        same_sign = np.sign(got) == np.sign(truth)
+        inf_for_near = np.isinf(got) & np.isfinite(truth) & (np.abs(truth) + bound >= big)
+        near_for_past = np.isfinite(got) & np.isfinite(truth) & (np.abs(truth) > big) \
+            & (np.abs(truth) - np.abs(got) <= bound)
+        return same_sign & (inf_for_near | near_for_past)
 
 
 def _units(err_s, plain_s, scale_s, bound_s, dtype, at_least):
@@ -303,12 +326,12 @@ def judge_backward(q, k, v, dout, grads, dtype=None, **options):
     dtype = dtype or reference.dtype_name(q)
     truth = reference.attention_backward(q, k, v, dout, **options)
     plain = reference.attention_backward_lowp(q, k, v, dout, dtype=dtype, **options)
-    terms = gradient_score_rounding(q, k, v, dout, options)
+    terms = gradient_score_rounding(q, k, v, dout, options, dtype)
     return [compare(name, g, _host(t), _host(p), dtype, term)
             for name, g, t, p, term in zip(("dq", "dk", "dv"), grads, truth, plain, terms)]
 
 
-def gradient_score_rounding(q, k, v, dout, options):
+def gradient_score_rounding(q, k, v, dout, options, dtype="float32"):
     """(dq, dk, dv) terms of the floor, per slice ((B, Hq) for dq, (B, Hk) for dk and dv):
     what rounding the scores to float32 once can do to each gradient. A backward kernel
     recomputes P = exp(S - lse) in float32, so each weight carries a relative error up to
@@ -320,8 +343,11 @@ def gradient_score_rounding(q, k, v, dout, options):
     |dO|. dP - delta itself cancels: rounding dP and delta (each at most ||dO_i||_1 max|v|)
     errs by up to 2 u ||dO_i||_1 max|v| each, so dQ's and dK's terms take 3 d + 4 u (a row
     that puts all its weight on one key has dS = 0 exactly in the truth, and a float32
-    kernel's dS there is this rounding). A key head's terms take the largest of its query
-    heads'."""
+    kernel's dS there is this rounding). And a backward takes delta = rowsum(dO * O) from the
+    forward's O, held in `dtype`: O's rounding and the forward's own error, 2 eps(dtype) |O|
+    with |O| <= max|v|, move delta by up to 2 eps(dtype) ||dO_i||_1 max|v| (in 16 bits the
+    largest part where dP - delta cancels: a row whose weight is nearly all on one key). A
+    key head's terms take the largest of its query heads'."""
     import reference
 
     _, lse = reference.attention(q, k, v, return_lse=True, **options)
@@ -337,7 +363,8 @@ def gradient_score_rounding(q, k, v, dout, options):
     qmax, kmax, vmax = (slice_abs_max(_host(x)) for x in (q, k, v))
     heads_q, heads_k = qmax.shape[1], kmax.shape[1]
     row_l1 = dout_abs.sum(axis=-1).max(axis=-1, initial=0.0)  # (B, Hq)
-    ds = 3.0 * d + 4.0 * U_SCORES  # dS's relative error: the scores', and dP - delta's
+    # dS's relative error: the scores', dP - delta's rounding, and delta's from O in dtype
+    ds = 3.0 * d + 4.0 * U_SCORES + 2.0 * EPS[dtype]
     by_key_head = (ds * qmax).reshape(d.shape[0], heads_k, -1).max(axis=-1)  # (B, Hk)
     d_key = d.reshape(d.shape[0], heads_k, -1).max(axis=-1)
     return (ds * scale * per_query_head(kmax * vmax, heads_q) * row_l1,
