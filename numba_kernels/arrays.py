@@ -10,6 +10,7 @@ from reference.dtypes import TRANSPORT, dtype_name, numpy_dtype, torch_dtype, tr
 from .common import LOG2E
 from .convert import SIMULATOR
 from . import replay
+from .plan import row_maxima
 from .specs import DTYPES, MAX_HEAD_DIM
 
 
@@ -37,10 +38,29 @@ def begin(q, k, v, scale, causal, mask, bias, kv_lengths, window, **more):
     if max(pb.d, pb.dv) > MAX_HEAD_DIM:
         raise ValueError(f"head dims D={pb.d}, Dv={pb.dv}: this kernel supports at most "
                          f"{MAX_HEAD_DIM}")
+    if abs(pb.scale) > 1.0:  # the default is 1 / sqrt(D)
+        check_score_range(pb, q, k)
     io = io_for(q, k, v, mask, bias, kv_lengths, **more)
     out = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.dv), pb.dtype)
     lse = io.empty((pb.batch, pb.heads_q, pb.n_q), "float32")
     return pb, io, out, lse
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_score_range(pb, q, k):
+    """A ValueError where scale * (q . k) in log2 units, which the kernels hold in float32, can
+    pass float32's largest value (D max|q| max|k| |scale| log2(e) does): the contract does not
+    ask kernels for scores past float32, and the NaN they would give is a silent wrong answer.
+    Reads q and k once (begin calls it for |scale| > 1 only)."""
+    bound = pb.d * abs(pb.scale) * LOG2E * float(row_maxima(q).max(initial=0.0)) \
+        * float(row_maxima(k).max(initial=0.0))
+    if bound >= FLOAT32_MAX:
+        raise ValueError(f"scale={pb.scale:g}: with max|q| and max|k| of these inputs the "
+                         f"scores can pass float32's range ({bound:.3g} in log2 units against "
+                         f"{FLOAT32_MAX:.3g}), which the kernels compute in; scale q or k "
+                         f"instead, or give a smaller scale")
 
 
 def side_inputs(io, pb, mask, bias, kv_lengths):

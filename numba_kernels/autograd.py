@@ -20,7 +20,6 @@ from typing import Optional
 
 import torch
 
-from reference.dtypes import dtype_name, numpy_dtype, torch_dtype
 from .arrays import on_device
 from .backward import flash_attention_backward
 from .forward import forward

@@ -36,8 +36,8 @@ def takes_part(p):
     return not (p == ZERO and math.copysign(float32(1.0), p) < ZERO)
 
 
-def make_masked_score(z):
-    HAS_MASK = z["HAS_MASK"]
+def make_masked_score(sizes):
+    HAS_MASK = sizes["HAS_MASK"]
 
     @kernel_part
     def masked_score(x, mask, bias, mask_steps, bias_steps, b, h, row, col, lo, hi,
@@ -75,7 +75,7 @@ ARGS = (
     ("lse", "lse", "(B, Hq, Nq) float32, natural log; with split-KV (splits * B, ...)"),
     ("n_q", "int", "query rows"),
     ("d", "int", "head dim of q and k before padding to D"),
-    ("dv", "int", "head dim of v before padding to DV"),
+    ("d_v", "int", "head dim of v before padding to DV"),
     ("group", "int", "query heads per key head (grouped-query attention)"),
     ("heads_q", "int", "query heads"),
     ("n_tiles", "int", "query tiles of BLOCK_M rows per (batch, head)"),

@@ -1,41 +1,10 @@
-"""The tuned FlashAttention-2 backward: register micro-tiles over shared-memory tiles.
-
-Read it beside reference/tiled_backward.py and plain_bwd.py (the same algorithm, one thread per
-key or row). Two kernels after plain_bwd's delta kernel (delta = rowsum(dO * O)):
-
-    dkdv  one block per (BLOCK_N keys, batch, key head); K and V stay in shared memory while
-          the block walks every query tile of the group's query heads:
-              load Q, dO, lse, delta       the query tile
-              S^T = K Q^T, dP^T = V dO^T   two micro-tiles (forward's `scores`, roles swapped)
-              P^T, dS^T                    P = exp2(S * qk_scale - lse), dS = P (dP - delta),
-                                           0 where the row does not see the key; to shared
-              dV += P^T dO, dK += dS^T Q   register accumulators (forward's `pv`)
-          then dK * scale and dV are stored: a key head's sums over its group are made in one
-          block, in a fixed order (deterministic).
-    dq    one block per (BLOCK_M query rows, batch, head), as the forward: Q and dO loaded
-          once, then every key tile the rows see:
-              load K, V                    the key tile
-              S = Q K^T, dP = dO V^T       micro-tiles
-              dS                           to shared
-              dQ += dS K                   register accumulator
-          then dQ * scale is stored. No atomic adds: two runs are bitwise equal.
-
-Thread map (both kernels): THREADS = THREADS_M * THREADS_N threads, thread (ty, tx) =
-(tid // THREADS_N, tid % THREADS_N). In dkdv, ty walks keys (TK = BLOCK_N / THREADS_M of
-them) and tx query rows (TQ = BLOCK_M / THREADS_N) in S^T, and output columns (TD = D /
-THREADS_N, TDV = DV / THREADS_N) in dK and dV. In dq, ty walks rows (TQ = BLOCK_M /
-THREADS_M) and tx keys (TK = BLOCK_N / THREADS_N), and columns of dQ (TD = D / THREADS_N).
-
-Shared memory, one float32 array `words`, every tile row-major with widths of a multiple of
-4 plus 4 (16-byte aligned rows for the 128-bit loads, rows in different banks); tiles over
-48 KB (the shipped ones, TILES) take dynamic shared memory, `words` then as long as the
-launch makes it (BwdSpec.dynamic_shared_bytes):
-    dkdv: K (BLOCK_N, D + 4), V (BLOCK_N, DV + 4), Q (BLOCK_M, D + 4), dO (BLOCK_M, DV + 4),
-          P^T and dS^T (BLOCK_N, BLOCK_M + 4), lse (log2 units) and delta (BLOCK_M)
-    dq:   Q (BLOCK_M, D + 4), dO (BLOCK_M, DV + 4), K (BLOCK_N, D + 4), V (BLOCK_N, DV + 4),
-          dS (BLOCK_M, BLOCK_N + 4)
-A tile holding a NaN or an inf takes a slower product that adds only the pairs each row sees
-(0 * NaN is NaN): hidden keys' values and the dO of rows that see no key reach nothing.
+"""The tuned FlashAttention-2 backward on CUDA cores: register micro-tiles over shared-memory
+tiles. Read it beside reference/tiled_backward.py and plain_bwd.py (the same algorithm, one
+thread per key or row). Two kernels after plain_bwd's delta kernel (delta = rowsum(dO * O)):
+dkdv (one block per key tile: dV += P^T dO, dK += dS^T Q over every query tile that sees it)
+and dq (one block per query tile: dQ += dS K over every key tile it sees), both recomputing
+P = exp2(S qk_scale - lse) from the forward's lse. No atomic adds: two runs are bitwise equal.
+docs/design/simt.md draws the steps and the shared-memory layout.
 """
 import math
 from dataclasses import dataclass
@@ -129,7 +98,7 @@ class BwdSpec:
         return self
 
 
-def _z(spec):
+def sizes_of(spec):
     """Compile-time sizes, by the names the device functions use."""
     spec.check()
     block_m, block_n, threads_m, threads_n = spec.tiles
@@ -140,20 +109,20 @@ def _z(spec):
                 SHARED_WORDS=0 if spec.dynamic_shared_bytes else spec.offsets[-1])
 
 
-def scores_sizes(z, tm, tn, a_at, a_w, b_at, b_w):
+def scores_sizes(sizes, tm, tn, a_at, a_w, b_at, b_w):
     """The sizes flash_fwd's `scores` reads, for S = A B^T with A at a_at (width a_w, tm rows
     a thread, THREADS_M apart) and B at b_at (width b_w, tn rows a thread, THREADS_N apart)."""
-    return dict(TM=tm, TN=tn, THREADS_M=z["THREADS_M"], THREADS_N=z["THREADS_N"],
+    return dict(TM=tm, TN=tn, THREADS_M=sizes["THREADS_M"], THREADS_N=sizes["THREADS_N"],
                 WIDTHS=(a_w, b_w), OFFSETS=(a_at, b_at))
 
 
-def pv_sizes(z, tm, cols, n_reduce, p_at, p_w, v_at, v_w):
+def pv_sizes(sizes, tm, cols, n_reduce, p_at, p_w, v_at, v_w):
     """The sizes flash_fwd's `pv` reads, for acc += P V with P at p_at (width p_w, tm rows a
     thread), V at v_at (width v_w), cols output columns over THREADS_N threads, and a
     reduction over n_reduce rows of V."""
-    tv = cols // z["THREADS_N"]
+    tv = cols // sizes["THREADS_N"]
     return dict(TM=tm, TV=tv, V_GROUP=VEC if tv % VEC == 0 else 1, BLOCK_N=n_reduce,
-                THREADS_M=z["THREADS_M"], THREADS_N=z["THREADS_N"], WIDTHS=(0, 0, v_w, p_w),
+                THREADS_M=sizes["THREADS_M"], THREADS_N=sizes["THREADS_N"], WIDTHS=(0, 0, v_w, p_w),
                 OFFSETS=(uint64(0), v_at, p_at))
 
 
@@ -167,14 +136,14 @@ def load_row_stats(words, lse_in, delta, b, h, start_m, n_q, lse_at, delta_at, b
         words[delta_at + uint64(r)] = delta[b, h, start_m + r] if ok else ZERO
 
 
-def make_kv_probabilities(z, masked_score):
+def make_kv_probabilities(sizes, masked_score):
     """probabilities(...): for the thread's TK keys and TQ rows of S^T and dP^T, P^T =
     exp2(S * qk_scale (+ bias) - lse) and dS^T = P (dP - delta) into shared memory, both 0
     where the row does not see the key (selected: a hidden key's NaN must vanish)."""
-    TK, TQ = z["BLOCK_N"] // z["THREADS_M"], z["BLOCK_M"] // z["THREADS_N"]
-    THREADS_M, THREADS_N = z["THREADS_M"], z["THREADS_N"]
-    P_W = z["WIDTHS"][4]
-    P_AT, DS_AT, LSE_AT, DELTA_AT = z["OFFSETS"][4:8]
+    TK, TQ = sizes["BLOCK_N"] // sizes["THREADS_M"], sizes["BLOCK_M"] // sizes["THREADS_N"]
+    THREADS_M, THREADS_N = sizes["THREADS_M"], sizes["THREADS_N"]
+    P_W = sizes["WIDTHS"][4]
+    P_AT, DS_AT, LSE_AT, DELTA_AT = sizes["OFFSETS"][4:8]
 
     @kernel_part
     def probabilities(words, s, dp, qk_scale, mask, bias, mask_steps, bias_steps, b, h,
@@ -206,16 +175,16 @@ def make_column(group, threads_n):
     return column
 
 
-def make_kv_seen_products(z):
+def make_kv_seen_products(sizes):
     """seen_products(...): dV += P^T dO and dK += dS^T Q adding only the (row, key) pairs
     that take part (P not NO_PART), for a query tile whose Q or dO holds a NaN or an inf
     (0 * NaN = NaN). Rare, so not unrolled."""
-    TK, TD, TDV = z["BLOCK_N"] // z["THREADS_M"], z["D"] // z["THREADS_N"], \
-        z["DV"] // z["THREADS_N"]
-    BLOCK_M, THREADS_M, THREADS_N = z["BLOCK_M"], z["THREADS_M"], z["THREADS_N"]
+    TK, TD, TDV = sizes["BLOCK_N"] // sizes["THREADS_M"], sizes["D"] // sizes["THREADS_N"], \
+        sizes["DV"] // sizes["THREADS_N"]
+    BLOCK_M, THREADS_M, THREADS_N = sizes["BLOCK_M"], sizes["THREADS_M"], sizes["THREADS_N"]
     col_d, col_dv = (make_column(VEC if t % VEC == 0 else 1, THREADS_N) for t in (TD, TDV))
-    _, _, Q_W, DO_W, P_W = z["WIDTHS"]
-    _, _, Q_AT, DO_AT, P_AT, DS_AT = z["OFFSETS"][:6]
+    _, _, Q_W, DO_W, P_W = sizes["WIDTHS"]
+    _, _, Q_AT, DO_AT, P_AT, DS_AT = sizes["OFFSETS"][:6]
 
     @kernel_part
     def seen_products(words, dk_acc, dv_acc, ty_u, tx_u):
@@ -233,11 +202,11 @@ def make_kv_seen_products(z):
     return seen_products
 
 
-def make_store_rows(z, store, T, COLS):
+def make_store_rows(sizes, store, T, COLS):
     """store_rows(acc, x, b, h, first, n, width, factor, ty_u, tx_u): x[b, h, first + ty +
     i * THREADS_M, column j] = acc[i, j] * factor for the thread's T rows and its COLS /
     THREADS_N columns (`pv`'s layout), rows < n and columns < width only."""
-    THREADS_M, THREADS_N = z["THREADS_M"], z["THREADS_N"]
+    THREADS_M, THREADS_N = sizes["THREADS_M"], sizes["THREADS_N"]
     TC = COLS // THREADS_N
     GROUP = VEC if TC % VEC == 0 else 1
 
@@ -254,14 +223,14 @@ def make_store_rows(z, store, T, COLS):
     return store_rows
 
 
-def make_q_probabilities(z, masked_score):
+def make_q_probabilities(sizes, masked_score):
     """probabilities(...): for the thread's TQ rows and TK keys of S and dP, P = exp2(S *
     qk_scale (+ bias) - lse) and dS = P (dP - delta) into shared memory; where the pair
     takes no part, P = NO_PART and dS = 0."""
-    TQ, TK = z["BLOCK_M"] // z["THREADS_M"], z["BLOCK_N"] // z["THREADS_N"]
-    THREADS_M, THREADS_N = z["THREADS_M"], z["THREADS_N"]
-    P_W = z["WIDTHS"][4]
-    P_AT, DS_AT = z["OFFSETS"][4:6]
+    TQ, TK = sizes["BLOCK_M"] // sizes["THREADS_M"], sizes["BLOCK_N"] // sizes["THREADS_N"]
+    THREADS_M, THREADS_N = sizes["THREADS_M"], sizes["THREADS_N"]
+    P_W = sizes["WIDTHS"][4]
+    P_AT, DS_AT = sizes["OFFSETS"][4:6]
 
     @kernel_part
     def probabilities(words, s, dp, lse_i, delta_i, lo, hi, qk_scale, mask, bias, mask_steps,
@@ -280,15 +249,15 @@ def make_q_probabilities(z, masked_score):
     return probabilities
 
 
-def make_q_seen_products(z):
+def make_q_seen_products(sizes):
     """seen_products(...): dQ += dS K adding only the pairs that take part (P not NO_PART),
     for a key tile whose K holds a NaN or an inf (a hidden key's, or one whose score is
     -inf: 0 * inf = NaN). Rare, so not unrolled."""
-    TQ, TD = z["BLOCK_M"] // z["THREADS_M"], z["D"] // z["THREADS_N"]
-    BLOCK_N, THREADS_M, THREADS_N = z["BLOCK_N"], z["THREADS_M"], z["THREADS_N"]
+    TQ, TD = sizes["BLOCK_M"] // sizes["THREADS_M"], sizes["D"] // sizes["THREADS_N"]
+    BLOCK_N, THREADS_M, THREADS_N = sizes["BLOCK_N"], sizes["THREADS_M"], sizes["THREADS_N"]
     column = make_column(VEC if TD % VEC == 0 else 1, THREADS_N)
-    K_W, P_W = z["WIDTHS"][0], z["WIDTHS"][4]
-    K_AT, P_AT, DS_AT = z["OFFSETS"][0], z["OFFSETS"][4], z["OFFSETS"][5]
+    K_W, P_W = sizes["WIDTHS"][0], sizes["WIDTHS"][4]
+    K_AT, P_AT, DS_AT = sizes["OFFSETS"][0], sizes["OFFSETS"][4], sizes["OFFSETS"][5]
 
     @kernel_part
     def seen_products(words, dq_acc, ty_u, tx_u):
@@ -306,46 +275,46 @@ def make_q_seen_products(z):
 
 def device_functions(spec):
     """The variant's device functions, in the order its kernel calls them."""
-    z = _z(spec)
+    sizes = sizes_of(spec)
     load, store, _ = CONVERTERS[spec.dtype]
-    BLOCK_M, BLOCK_N, THREADS = z["BLOCK_M"], z["BLOCK_N"], z["THREADS"]
-    K_W, V_W, Q_W, DO_W, P_W = z["WIDTHS"]
-    K_AT, V_AT, Q_AT, DO_AT, P_AT, DS_AT = z["OFFSETS"][:6]
-    masked_score = make_masked_score(z)
+    BLOCK_M, BLOCK_N, THREADS = sizes["BLOCK_M"], sizes["BLOCK_N"], sizes["THREADS"]
+    K_W, V_W, Q_W, DO_W, P_W = sizes["WIDTHS"]
+    K_AT, V_AT, Q_AT, DO_AT, P_AT, DS_AT = sizes["OFFSETS"][:6]
+    masked_score = make_masked_score(sizes)
     loaders = (tile_loader(load, BLOCK_N, spec.d, THREADS, K_W, 8),
                tile_loader(load, BLOCK_N, spec.dv, THREADS, V_W, 8),
                tile_loader(load, BLOCK_M, spec.d, THREADS, Q_W, 8),
                tile_loader(load, BLOCK_M, spec.dv, THREADS, DO_W, 8))
     if spec.part == "dkdv":  # S^T = K Q^T, dP^T = V dO^T; dV += P^T dO, dK += dS^T Q
-        tk, tq = BLOCK_N // z["THREADS_M"], BLOCK_M // z["THREADS_N"]
+        tk, tq = BLOCK_N // sizes["THREADS_M"], BLOCK_M // sizes["THREADS_N"]
         return loaders + (
-            make_scores(scores_sizes(z, tk, tq, K_AT, K_W, Q_AT, Q_W)),
-            make_scores(scores_sizes(z, tk, tq, V_AT, V_W, DO_AT, DO_W)),
-            make_kv_probabilities(z, masked_score),
-            make_pv(pv_sizes(z, tk, spec.dv, BLOCK_M, P_AT, P_W, DO_AT, DO_W)),
-            make_pv(pv_sizes(z, tk, spec.d, BLOCK_M, DS_AT, P_W, Q_AT, Q_W)),
-            make_kv_seen_products(z),
-            make_store_rows(z, store, tk, spec.d), make_store_rows(z, store, tk, spec.dv))
-    tq, tk = BLOCK_M // z["THREADS_M"], BLOCK_N // z["THREADS_N"]  # S = Q K^T, dP = dO V^T
+            make_scores(scores_sizes(sizes, tk, tq, K_AT, K_W, Q_AT, Q_W)),
+            make_scores(scores_sizes(sizes, tk, tq, V_AT, V_W, DO_AT, DO_W)),
+            make_kv_probabilities(sizes, masked_score),
+            make_pv(pv_sizes(sizes, tk, spec.dv, BLOCK_M, P_AT, P_W, DO_AT, DO_W)),
+            make_pv(pv_sizes(sizes, tk, spec.d, BLOCK_M, DS_AT, P_W, Q_AT, Q_W)),
+            make_kv_seen_products(sizes),
+            make_store_rows(sizes, store, tk, spec.d), make_store_rows(sizes, store, tk, spec.dv))
+    tq, tk = BLOCK_M // sizes["THREADS_M"], BLOCK_N // sizes["THREADS_N"]  # S = Q K^T, dP = dO V^T
     return loaders + (
-        make_scores(scores_sizes(z, tq, tk, Q_AT, Q_W, K_AT, K_W)),
-        make_scores(scores_sizes(z, tq, tk, DO_AT, DO_W, V_AT, V_W)),
-        make_q_probabilities(z, masked_score),
-        make_pv(pv_sizes(z, tq, spec.d, BLOCK_N, DS_AT, P_W, K_AT, K_W)),
-        make_q_seen_products(z), make_store_rows(z, store, tq, spec.d))
+        make_scores(scores_sizes(sizes, tq, tk, Q_AT, Q_W, K_AT, K_W)),
+        make_scores(scores_sizes(sizes, tq, tk, DO_AT, DO_W, V_AT, V_W)),
+        make_q_probabilities(sizes, masked_score),
+        make_pv(pv_sizes(sizes, tq, spec.d, BLOCK_N, DS_AT, P_W, K_AT, K_W)),
+        make_q_seen_products(sizes), make_store_rows(sizes, store, tq, spec.d))
 
 
 def dkdv_kernel_source(spec):
     """The dK, dV kernel of variant `spec` (part "dkdv"): reference/tiled_backward.py's
     program for one key tile, one block each."""
-    z = _z(spec)
-    BLOCK_M, BLOCK_N, THREADS_M, THREADS_N = (z[n] for n in ("BLOCK_M", "BLOCK_N",
+    sizes = sizes_of(spec)
+    BLOCK_M, BLOCK_N, THREADS_M, THREADS_N = (sizes[n] for n in ("BLOCK_M", "BLOCK_N",
                                                              "THREADS_M", "THREADS_N"))
     TK, TQ, TD, TDV = BLOCK_N // THREADS_M, BLOCK_M // THREADS_N, spec.d // THREADS_N, \
         spec.dv // THREADS_N
-    TC, SHARED_WORDS, FRAG = max(TD, TDV), z["SHARED_WORDS"], 2 * VEC
-    K_AT, V_AT, Q_AT, DO_AT = z["OFFSETS"][:4]
-    LSE_AT, DELTA_AT = z["OFFSETS"][6:8]
+    TC, SHARED_WORDS, FRAG = max(TD, TDV), sizes["SHARED_WORDS"], 2 * VEC
+    K_AT, V_AT, Q_AT, DO_AT = sizes["OFFSETS"][:4]
+    LSE_AT, DELTA_AT = sizes["OFFSETS"][6:8]
     (load_k, load_v, load_q, load_do, scores_s, scores_dp, probabilities, pv_dv, pv_dk,
      seen_products, store_dk, store_dv) = device_functions(spec)
 
@@ -410,12 +379,12 @@ def dkdv_kernel_source(spec):
 def dq_kernel_source(spec):
     """The dQ kernel of variant `spec` (part "dq"): the forward's walk over key tiles, with
     P recomputed from the saved lse."""
-    z = _z(spec)
-    BLOCK_M, BLOCK_N, THREADS_M, THREADS_N = (z[n] for n in ("BLOCK_M", "BLOCK_N",
+    sizes = sizes_of(spec)
+    BLOCK_M, BLOCK_N, THREADS_M, THREADS_N = (sizes[n] for n in ("BLOCK_M", "BLOCK_N",
                                                              "THREADS_M", "THREADS_N"))
     TQ, TK, TD = BLOCK_M // THREADS_M, BLOCK_N // THREADS_N, spec.d // THREADS_N
-    SHARED_WORDS, FRAG = z["SHARED_WORDS"], 2 * VEC
-    K_AT, V_AT, Q_AT, DO_AT = z["OFFSETS"][:4]
+    SHARED_WORDS, FRAG = sizes["SHARED_WORDS"], 2 * VEC
+    K_AT, V_AT, Q_AT, DO_AT = sizes["OFFSETS"][:4]
     (load_k, load_v, load_q, load_do, scores_s, scores_dp, probabilities, pv_dq,
      seen_products, store_dq) = device_functions(spec)
 

@@ -1,10 +1,9 @@
-"""The FlashAttention-2 forward kernel, one thread block per (BLOCK_M query rows, batch, head).
-
-Read it beside reference/tiled.py (and first numba_kernels/plain_fwd.py, the same algorithm
-written plainly): same algorithm, same names (start_m, start_n, first, last, m_i, l_i, acc,
-alpha, m_new, m_safe, qk_scale; a tile's end, the reference's end_n, is start_n + n_keys
-here). kernel_source, at the end, is the kernel; it calls named device
-functions in the algorithm's order:
+"""The FlashAttention-2 forward kernel on CUDA cores, one thread block per (BLOCK_M query rows,
+batch, head), each thread a register micro-tile (TM rows x TN keys of S, TM rows x TV columns
+of the output). Read it beside reference/tiled.py (and first plain_fwd.py, the same algorithm
+written plainly): same names (start_m, start_n, first, last, m_i, l_i, acc, alpha, m_new,
+m_safe, qk_scale). kernel_source, at the end, is the kernel; it calls named device functions
+in the algorithm's order:
 
     load_q          the block's Q tile into shared memory, once
     init_rows       m_i = -inf, l_i = 0, acc = 0; each row's visible keys lo <= j < hi
@@ -18,34 +17,8 @@ functions in the algorithm's order:
         pv              acc += P V (pv_seen_keys where V holds NaN or inf)
     store_out       out = acc / l, lse
 
-What the tiled reference does with whole-tile NumPy operations, a block does with
-THREADS = THREADS_M * THREADS_N threads, each owning a register micro-tile:
-
-    rows  ty + i * THREADS_M   for i < TM    (TM = BLOCK_M / THREADS_M)
-    keys  tx + j * THREADS_N   for j < TN    (S = Q K^T, TN = BLOCK_N / THREADS_N)
-    cols  (j // V_GROUP) * THREADS_N * V_GROUP + tx * V_GROUP + j % V_GROUP    for j < TV
-                                  (O = P V, TV = DV / THREADS_N, V_GROUP = 4 where 4 divides
-                                   TV, else 1)
-
-Per key tile a thread does TM * TN * D + TM * TV * BLOCK_N fused multiply-adds, reading
-(TM + TN) * D + TM * BLOCK_N + TV * BLOCK_N words of shared memory, mostly four at a time
-(128-bit loads, convert.load4): the micro-tile is what keeps the arithmetic ahead of the
-shared-memory loads.
-
-Shared memory: one float32 array `words` (low-precision inputs are converted once, on load),
-carved by KernelSpec.offsets, every tile row-major, widths from KernelSpec.widths:
-    Q     (BLOCK_M, D + 4), loaded once; at the end the output tile (BLOCK_M, DV + 1), for
-          coalesced stores
-    K, V  (BLOCK_N, D + 4), then the V tile (BLOCK_N, DV) in the same words
-    P     (BLOCK_M, BLOCK_N + 4)
-    stats (BLOCK_M, THREADS_N): each thread's part of its rows' max, at the end of their sums
-S takes eight head-dim columns a step from a row of Q and a row of K (two 128-bit loads
-each); P V takes four keys a step from a row of P (one 128-bit load), and for each key a
-thread's output columns of V, four side by side.
-
-All sizes are closure ints of the factories (sizes(spec)): the CUDA compiler needs literal
-shared-array shapes. Device functions are inlined (convert.device_function), so the local
-arrays they share with the kernel stay in registers.
+docs/design/simt.md draws the micro-tiles and the shared-memory layout. All sizes are closure
+ints of the factories (sizes_of(spec)); device functions are inlined.
 """
 import math
 from dataclasses import dataclass
@@ -183,7 +156,7 @@ def tile_loader(load, ROWS, COLS, THREADS, WIDTH, MAX_BATCH):
     return load_tile
 
 
-def sizes(spec):
+def sizes_of(spec):
     """The compile-time sizes of variant `spec`, by the names the device functions use."""
     spec.check()
     TM = spec.block_m // spec.threads_m
@@ -197,8 +170,8 @@ def sizes(spec):
         HAS_MASK=spec.has_mask)
 
 
-def make_init_rows(z):
-    TM, TV, THREADS_M = z["TM"], z["TV"], z["THREADS_M"]
+def make_init_rows(sizes):
+    TM, TV, THREADS_M = sizes["TM"], sizes["TV"], sizes["THREADS_M"]
 
     @kernel_part
     def init_rows(m_i, l_i, acc, lo, hi, first_row, n_q, kv_len, left, right, bottom_right):
@@ -215,10 +188,10 @@ def make_init_rows(z):
     return init_rows
 
 
-def make_scores(z):
-    TM, TN, THREADS_M, THREADS_N = z["TM"], z["TN"], z["THREADS_M"], z["THREADS_N"]
-    Q_W, K_W = z["WIDTHS"][:2]
-    Q_AT, KV_AT = z["OFFSETS"][:2]
+def make_scores(sizes):
+    TM, TN, THREADS_M, THREADS_N = sizes["TM"], sizes["TN"], sizes["THREADS_M"], sizes["THREADS_N"]
+    Q_W, K_W = sizes["WIDTHS"][:2]
+    Q_AT, KV_AT = sizes["OFFSETS"][:2]
     STEP = 2 * VEC  # head-dim columns a step: two 128-bit loads
 
     @kernel_part
@@ -254,9 +227,9 @@ def make_scores(z):
     return scores
 
 
-def make_scale_and_mask(z, masked_score):
-    TM, TN, THREADS_M, THREADS_N = z["TM"], z["TN"], z["THREADS_M"], z["THREADS_N"]
-    STAT_AT = z["OFFSETS"][3]
+def make_scale_and_mask(sizes, masked_score):
+    TM, TN, THREADS_M, THREADS_N = sizes["TM"], sizes["TN"], sizes["THREADS_M"], sizes["THREADS_N"]
+    STAT_AT = sizes["OFFSETS"][3]
 
     @kernel_part
     def scale_and_mask(words, s, qk_scale, mask, bias, mask_steps, bias_steps, b, h,
@@ -279,11 +252,11 @@ def make_scale_and_mask(z, masked_score):
     return scale_and_mask
 
 
-def make_online_softmax(z):
-    TM, TN, TV = z["TM"], z["TN"], z["TV"]
-    THREADS_M, THREADS_N = z["THREADS_M"], z["THREADS_N"]
-    P_W = z["WIDTHS"][3]
-    P_AT, STAT_AT = z["OFFSETS"][2:4]
+def make_online_softmax(sizes):
+    TM, TN, TV = sizes["TM"], sizes["TN"], sizes["TV"]
+    THREADS_M, THREADS_N = sizes["THREADS_M"], sizes["THREADS_N"]
+    P_W = sizes["WIDTHS"][3]
+    P_AT, STAT_AT = sizes["OFFSETS"][2:4]
 
     @kernel_part
     def online_softmax(words, s, m_i, l_i, acc, ty_u, tx_u):
@@ -313,13 +286,13 @@ def make_online_softmax(z):
     return online_softmax
 
 
-def make_pv(z):
+def make_pv(sizes):
     """pv: acc += P V for the thread's TM x TV micro-tile, from the P and V tiles in shared
     memory (the backward's products use it too, with its own sizes: flash_bwd.pv_sizes)."""
-    TM, TV, V_GROUP = z["TM"], z["TV"], z["V_GROUP"]
-    THREADS_M, THREADS_N = z["THREADS_M"], z["THREADS_N"]
-    V_W, P_W = z["WIDTHS"][2:4]
-    KV_AT, P_AT = z["OFFSETS"][1:3]
+    TM, TV, V_GROUP = sizes["TM"], sizes["TV"], sizes["V_GROUP"]
+    THREADS_M, THREADS_N = sizes["THREADS_M"], sizes["THREADS_N"]
+    V_W, P_W = sizes["WIDTHS"][2:4]
+    KV_AT, P_AT = sizes["OFFSETS"][1:3]
 
     @kernel_part
     def pv(words, acc, frag, v_cols, ty_u, tx_u, n_keys):
@@ -348,12 +321,12 @@ def make_pv(z):
     return pv
 
 
-def make_pv_seen_keys(z):
+def make_pv_seen_keys(sizes):
     """pv_seen_keys: pv for a V tile holding a NaN or an inf."""
-    TM, TN, TV, V_GROUP = z["TM"], z["TN"], z["TV"], z["V_GROUP"]
-    BLOCK_N, THREADS_M, THREADS_N = z["BLOCK_N"], z["THREADS_M"], z["THREADS_N"]
-    V_W, P_W = z["WIDTHS"][2:4]
-    KV_AT, P_AT = z["OFFSETS"][1:3]
+    TM, TN, TV, V_GROUP = sizes["TM"], sizes["TN"], sizes["TV"], sizes["V_GROUP"]
+    BLOCK_N, THREADS_M, THREADS_N = sizes["BLOCK_N"], sizes["THREADS_M"], sizes["THREADS_N"]
+    V_W, P_W = sizes["WIDTHS"][2:4]
+    KV_AT, P_AT = sizes["OFFSETS"][1:3]
 
     @kernel_part
     def pv_seen_keys(words, acc, v_cols, s, ty_u, tx_u):
@@ -383,15 +356,15 @@ def make_pv_seen_keys(z):
     return pv_seen_keys
 
 
-def make_store_out(z, store):
-    TM, TV, V_GROUP = z["TM"], z["TV"], z["V_GROUP"]
-    BLOCK_M, DV, THREADS = z["BLOCK_M"], z["DV"], z["THREADS"]
-    THREADS_M, THREADS_N = z["THREADS_M"], z["THREADS_N"]
-    O_W = z["WIDTHS"][4]
-    Q_AT, STAT_AT = z["OFFSETS"][0], z["OFFSETS"][3]
+def make_store_out(sizes, store):
+    TM, TV, V_GROUP = sizes["TM"], sizes["TV"], sizes["V_GROUP"]
+    BLOCK_M, DV, THREADS = sizes["BLOCK_M"], sizes["DV"], sizes["THREADS"]
+    THREADS_M, THREADS_N = sizes["THREADS_M"], sizes["THREADS_N"]
+    O_W = sizes["WIDTHS"][4]
+    Q_AT, STAT_AT = sizes["OFFSETS"][0], sizes["OFFSETS"][3]
 
     @kernel_part
-    def store_out(words, out, lse, m_i, l_i, acc, out_b, h, start_m, first_row, n_q, dv,
+    def store_out(words, out, lse, m_i, l_i, acc, out_b, h, start_m, first_row, n_q, d_v,
                   ty_u, tx_u):
         """out = acc / l and lse = (m_i + log2 l) * ln 2, l the sum of the THREADS_N parts of
         l_i; a row that saw no key has l = 0 and gives out = 0, lse = -inf. The rows go
@@ -422,48 +395,49 @@ def make_store_out(z, store):
             idx = tid + it * THREADS
             r = idx // DV
             c = idx % DV
-            if start_m + r < n_q and c < dv:
+            if start_m + r < n_q and c < d_v:
                 out[out_b, h, start_m + r, c] = store(words[Q_AT + uint64(r * O_W + c)])
 
     return store_out
 
 
 def device_functions(spec):
-    """The variant's device functions, built for its sizes (sizes(spec)), in the order the
+    """The variant's device functions, built for its sizes (sizes_of(spec)), in the order the
     kernel calls them: load_q, init_rows, load_k, scores, scale_and_mask, online_softmax,
     load_v, pv, pv_seen_keys, store_out."""
-    z = sizes(spec)
+    sizes = sizes_of(spec)
     load, store, _ = CONVERTERS[spec.dtype]
     if spec.partial:  # split-KV partial results stay float32 until the merge
         store = CONVERTERS["float32"][1]
-    Q_W, K_W, V_W = z["WIDTHS"][:3]
-    masked_score = make_masked_score(z)
-    pv, pv_seen_keys = make_pv(z), make_pv_seen_keys(z)
+    Q_W, K_W, V_W = sizes["WIDTHS"][:3]
+    masked_score = make_masked_score(sizes)
+    pv, pv_seen_keys = make_pv(sizes), make_pv_seen_keys(sizes)
     # Each batch of tile loads waits for global memory once; larger batches cost registers
     # (specs.LOAD_BATCH chooses them per variant).
     return (tile_loader(load, spec.block_m, spec.d, spec.threads, Q_W, spec.qk_load_batch),
-            make_init_rows(z),
+            make_init_rows(sizes),
             tile_loader(load, spec.block_n, spec.d, spec.threads, K_W, spec.qk_load_batch),
-            make_scores(z), make_scale_and_mask(z, masked_score), make_online_softmax(z),
+            make_scores(sizes), make_scale_and_mask(sizes, masked_score),
+            make_online_softmax(sizes),
             tile_loader(load, spec.block_n, spec.dv, spec.threads, V_W, spec.v_load_batch),
-            pv, pv_seen_keys, make_store_out(z, store))
+            pv, pv_seen_keys, make_store_out(sizes, store))
 
 
 def kernel_source(spec):
     """The kernel for variant `spec` as a Python function, for cuda.jit or cuda.compile_ptx:
     the FlashAttention-2 forward pass of reference/tiled.py's _program, one block per
     program, calling the device functions above in the algorithm's order."""
-    z = sizes(spec)
-    BLOCK_M, BLOCK_N, THREADS_M, THREADS_N = (z[n] for n in ("BLOCK_M", "BLOCK_N",
+    sizes = sizes_of(spec)
+    BLOCK_M, BLOCK_N, THREADS_M, THREADS_N = (sizes[n] for n in ("BLOCK_M", "BLOCK_N",
                                                              "THREADS_M", "THREADS_N"))
-    TM, TN, TV = z["TM"], z["TN"], z["TV"]
-    Q_AT, KV_AT = z["OFFSETS"][:2]
+    TM, TN, TV = sizes["TM"], sizes["TN"], sizes["TV"]
+    Q_AT, KV_AT = sizes["OFFSETS"][:2]
     SHARED_WORDS = spec.offsets[4]
     FRAG = 2 * VEC  # local-array shapes must be closure ints, not expressions
     (load_q, init_rows, load_k, scores, scale_and_mask, online_softmax, load_v, pv,
      pv_seen_keys, store_out) = device_functions(spec)
 
-    def flash_fwd(q, k, v, mask, bias, kv_lengths, out, lse, n_q, d, dv, group, heads_q,
+    def flash_fwd(q, k, v, mask, bias, kv_lengths, out, lse, n_q, d, d_v, group, heads_q,
                   n_tiles, split_len, qk_scale, left, right, bottom_right, mask_steps,
                   bias_steps):
         # One shared array, carved by KernelSpec.offsets; at offset 0 of the block's shared
@@ -513,14 +487,14 @@ def kernel_source(spec):
             cuda.syncthreads()  # Barrier: every thread's row maxima are written.
             online_softmax(words, s, m_i, l_i, acc, ty_u, tx_u)
             cuda.syncthreads()  # Barrier: P is written and K is read: V may take its words.
-            bad = load_v(v_bh, start_n, n_keys, dv, words, KV_AT)
+            bad = load_v(v_bh, start_n, n_keys, d_v, words, KV_AT)
             # Barrier: the V tile is complete, and every thread knows whether any loaded a
             # NaN or an inf, so the whole block takes the same path.
             if not cuda.syncthreads_or(bad):
                 pv(words, acc, frag, v_cols, ty_u, tx_u, min(BLOCK_N, n_keys))
             else:
                 pv_seen_keys(words, acc, v_cols, s, ty_u, tx_u)
-        store_out(words, out, lse, m_i, l_i, acc, out_b, h, start_m, start_m + ty, n_q, dv,
+        store_out(words, out, lse, m_i, l_i, acc, out_b, h, start_m, start_m + ty, n_q, d_v,
                   ty_u, tx_u)
 
     return check_parameters(flash_fwd, ARG_NAMES)

@@ -1,45 +1,10 @@
-"""The FlashAttention-2 forward on tensor cores, for float16 and bfloat16 inputs: the algorithm of
-reference/tiled.py with the products S = Q K^T and P V done by mma.sync (warp.py), float32
-accumulation throughout. float32 inputs (MmaSpec dtype "float32") go as two float16 halves a
-value, each product three mma.sync (halves.py): every tile has its lo half beside it and Q's
-stays in shared memory (MmaSpec.layout, dynamic shared memory), P is split in registers; a
-Q or K tile holding a NaN or an inf (the pre-pass's flags) defers its block to the careful
-variant, whose scores of such tile pairs are float32 dot products (halves.scores_exact).
-
-    grid:    (query tiles of BLOCK_M = 64 rows, the last first; B * Hq; key splits (split-KV; 1
-             without)); under a causal band the blocks run tile by tile across each group of
-             heads (flash_fwd.grouped_order)
-    block:   4 warps; warp w owns rows start_m + 16 w .. + 15 of the tile. In every fragment
-             lane = 4 g + t holds rows g and g + 8 of its warp's 16 (warp.py draws the layouts).
-    shared:  16-bit tiles, rows padded by 8 values (16 bytes) so that the 8 row addresses of an
-             ldmatrix fall in 8 different groups of 4 banks:
-               stage 0: K tile (BLOCK_N, D + 8), V tile (BLOCK_N, DV + 8)
-               stage 1: the same, where the Q tile (BLOCK_M, D + 8) lands first
-             Key tile j + 1 is copied into one stage by cp.async while tile j is read from the
-             other (double buffering).
-    registers (a lane): Q's fragments (D / 16 x 4 pairs), S and P (BLOCK_N / 8 x 4 floats), the
-             output accumulator acc (DV / 8 x 4 floats), and for its two rows m_i and l_i.
-
-Per key tile, per warp: S = Q K^T (ldmatrix of K, mma), scaled and masked per element as the
-SIMT kernel does (flash_fwd's masked_score); the online softmax on the fragments (a row's max
-and sum across the 4 lanes that hold it, by shuffles); P rounded to the input dtype in
-registers and multiplied by V (ldmatrix.trans of V, mma). One barrier a key tile: every
-thread waits for its copies of tile j, the barrier makes them visible and frees the other
-stage, then tile j + 1 is copied there while tile j is computed.
-
-A NaN or an inf in V: mma.sync adds every pair of a tile, and a pair that takes no part (P =
-0) adds 0 * NaN = NaN, so a row that does not see such a key could end NaN. That can only
-make a row non-finite, so a block whose rows all end finite is right. Each call launches the
-kernel in two variants (MmaSpec.careful), with no wait for the host between them: the fast
-one (no slow code) leaves each block where a row ended non-finite to the careful one
-(`deferred`), which does those blocks again and returns at once from the others. There each
-V tile is tested in shared memory as it lands (tile_nonfinite), and one holding a NaN or an
-inf takes the slow path: a pair that takes no part gets P = -0.0 (flash_fwd.NO_PART), and
-only the pairs that take part are added, in float32.
-
-Split-KV (decoding: too few query tiles to fill the GPU): blockIdx.z takes the keys
-split * split_len .. + split_len and writes float32 partial results, merged by lse
-(split_kv.py), as the SIMT kernel does.
+"""The FlashAttention-2 forward on tensor cores: the algorithm of reference/tiled.py with the
+products S = Q K^T and P V done by mma.sync (warp.py), float32 accumulation, for float16 and
+bfloat16 inputs, and float32 as two float16 halves a value (halves.py). 4 warps of 16 query
+rows a block, key tiles of 32 double-buffered by cp.async, the online softmax on the
+fragments. Each call launches two variants: the fast one, and the careful one that does again
+the blocks where a row ended non-finite (a NaN or an inf in V, on the slow path). Split-KV as
+the SIMT kernel. docs/design/tensor_cores.md draws the grid, the fragments and the stages.
 """
 import math
 from dataclasses import astuple, dataclass
@@ -143,14 +108,14 @@ def mma_specs():
 
 def make_load_q(copy_q, copy_kv, load_q_fragments, STAGE):
     @kernel_part
-    def load_q(words, q, k, v, q_base, k_base, v_base, start_m, first, last, n_q, d, dv,
+    def load_q(words, q, k, v, q_base, k_base, v_base, start_m, first, last, n_q, d, d_v,
                q_frag, lane, w):
         """The Q tile through the second stage into this warp's A fragments, and the first key
         tile copied into stage 0 (not waited for)."""
         copy_q(words, STAGE, q, q_base, start_m, n_q, d)  # group: Q
         warp.cp_async_commit()
         if first < last:  # group: the first key tile, into stage 0
-            copy_kv(words, 0, k, v, k_base, v_base, first, last, d, dv)
+            copy_kv(words, 0, k, v, k_base, v_base, first, last, d, d_v)
         warp.cp_async_commit()
         warp.cp_async_wait(1)  # this thread's part of Q has landed
         cuda.syncthreads()  # Barrier: all of Q has landed.
@@ -165,7 +130,7 @@ def make_this_block(CAREFUL):
         """(b, h, tile, split, ob): the batch, head, query tile and key split of this thread
         block, and out's batch index (split s of b at s * B + b). The fast variant takes the
         last query tile first (rank 0: under a causal band it walks the most keys), then rank
-        by rank across a group of heads (flash_fwd.grouped_order); the careful one, of which
+        by rank across a group of heads (schedule.grouped_order); the careful one, of which
         few blocks do work, the grid's own order."""
         if CAREFUL:
             bh, tile = int64(cuda.blockIdx.y), int64(cuda.blockIdx.x)
@@ -180,11 +145,11 @@ def make_this_block(CAREFUL):
 
 
 @kernel_part
-def head_bases(b, h, hk, heads_q, k, n_q, d, dv):
+def head_bases(b, h, hk, heads_q, k, n_q, d, d_v):
     """The flat offsets of query head h's Q and of key head hk's K and V in batch b."""
     heads_k, n_k = k.shape[1], k.shape[2]
     return ((int64(b) * heads_q + h) * n_q * d, (int64(b) * heads_k + hk) * n_k * d,
-            (int64(b) * heads_k + hk) * n_k * dv)
+            (int64(b) * heads_k + hk) * n_k * d_v)
 
 
 def make_add_pv(pv, pv_seen_pairs):
@@ -273,7 +238,7 @@ def make_tile_nonfinite(DV, V_ROW, LOW):
     @kernel_part
     def tile_nonfinite(words, at):
         """Whether the V tile at word `at` holds a NaN or an inf, for the whole block (every
-        thread calls it: one barrier). Keys past the block's last and columns past dv were
+        thread calls it: one barrier). Keys past the block's last and columns past d_v were
         copied as zeros. Each thread tests TILE_WORDS / THREADS words by their bits."""
         bad = 0  # an int: syncthreads_or takes one
         for i in range(cuda.threadIdx.x, TILE_WORDS, THREADS):
@@ -311,14 +276,14 @@ def make_store_out(DV, store, P_BACK=None):
     HALVES, BACK = P_BACK is not None, P_BACK or ONE
 
     @kernel_part
-    def store_out(out, lse, m_i, l_i, acc, ob, h, row0, n_q, dv, out_factor, lane):
+    def store_out(out, lse, m_i, l_i, acc, ob, h, row0, n_q, d_v, out_factor, lane):
         """out = acc / l and lse = (m_i + log2 l) * ln 2 at batch index ob, l the sum of the 4
         lanes' parts; a row that saw no key: out = 0, lse = -inf. With halves (P_BACK given)
         acc is in the units of P' = P / P_BACK and V' = V c_v (halves.py): times out_factor
         (1 / c_v), then P_BACK, after the division (each step exact where out is normal)."""
         # Unsigned indices: no wrap-around of negative ones, and the row's offset is
         # computed once (signed, each element's store took 15 instructions of index checks).
-        t, u_ob, u_h, u_dv = uint32(lane % 4), uint32(ob), uint32(h), uint32(dv)
+        t, u_ob, u_h, u_dv = uint32(lane % 4), uint32(ob), uint32(h), uint32(d_v)
         for half in range(2):
             l_row = l_i[half]
             l_row += warp.shfl_xor(l_row, 1)
@@ -405,7 +370,7 @@ def kernel_source(spec):
                                P_BACK)
 
     def flash_mma(q, k, v, mask, bias, kv_lengths, q_flags, k_flags, factors, deferred, out,
-                  lse, n_q, d, dv, group, heads_q, split_len, qk_scale, left, right,
+                  lse, n_q, d, d_v, group, heads_q, split_len, qk_scale, left, right,
                   bottom_right, mask_steps, bias_steps):
         words = cuda.shared.array(WORDS, uint32)  # two stages; Q lands in the second first
         q_frag = cuda.local.array((KSTEPS, 4), uint32)  # this warp's rows of Q, A fragments
@@ -422,7 +387,7 @@ def kernel_source(spec):
         if CAREFUL and deferred[ob, h, tile] == 0:
             return  # first thing: the fast variant did this block (most often every one)
         hk = h // group  # grouped-query attention: query head h reads key head h // group
-        q_base, k_base, v_base = head_bases(b, h, hk, heads_q, k, n_q, d, dv)
+        q_base, k_base, v_base = head_bases(b, h, hk, heads_q, k, n_q, d, d_v)
         start_m = tile * BLOCK_M
         whole_rows = start_m + BLOCK_M <= n_q  # every row of the tile exists
         row0 = start_m + w * 16 + lane // 4  # the lane's rows: row0 and row0 + 8
@@ -438,11 +403,11 @@ def kernel_source(spec):
             return
         qk, out_factor = forward_factors(factors, qk_scale)
         init_rows(m_i, l_i, acc, lo, hi, row0, n_q, kv_len, left, right, bottom_right)
-        load_q(words, q, k, v, q_base, k_base, v_base, start_m, first, last, n_q, d, dv,
+        load_q(words, q, k, v, q_base, k_base, v_base, start_m, first, last, n_q, d, d_v,
                q_frag, lane, w)
         stage = 0
         for start_n in range(first, last, BLOCK_N):
-            next_tile(words, k, v, k_base, v_base, start_n, last, d, dv, stage)
+            next_tile(words, k, v, k_base, v_base, start_n, last, d, d_v, stage)
             at = stage * STAGE
             scores(words, at, q_frag, s, lane, w,  # S = Q K^T
                    EXACT and (q_bad or k_flags[b, hk, start_n // FLAG_ROWS] != 0))
@@ -460,7 +425,7 @@ def kernel_source(spec):
         if not CAREFUL and hand_over(deferred, ob, h, tile,
                                      cuda.syncthreads_or(0 if acc_finite(acc) else 1), tid):
             return
-        store_out(out, lse, m_i, l_i, acc, ob, h, row0, n_q, dv, out_factor, lane)
+        store_out(out, lse, m_i, l_i, acc, ob, h, row0, n_q, d_v, out_factor, lane)
 
     return check_parameters(flash_mma, MMA_ARG_NAMES)
 

@@ -1,63 +1,12 @@
-"""The FlashAttention-2 backward on tensor cores, for float16 and bfloat16 inputs: the algorithm
-of flash_bwd.py (reference/tiled_backward.py) with every product done by mma.sync (warp.py),
-float32 accumulation, and P and dS rounded to the input dtype where they enter a product (the
-forward, flash_mma.py, rounds P the same way). float32 inputs (MmaBwdSpec dtype "float32")
-go as two float16 halves a value, each product three mma.sync (halves.py): every tile below
-has its lo half beside it (MmaBwdSpec.layout), in dynamic shared memory. Two kernels after
-plain_bwd's delta kernel (delta = rowsum(dO * O)); their arguments are the tuned kernels'
-(common.DKDV_ARGS, DQ_ARGS) with the pre-pass's flags, `deferred` and the halves' scales
-(MMA_DKDV_ARGS, MMA_DQ_ARGS; below).
-
-    dkdv  grid (key tiles of BLOCK = 64 keys, B * Hk), 4 warps; warp w owns keys
-          start_n + 16 w .. + 15, which are the ROWS of its fragments (S^T, not S). K stays in
-          shared memory, V's A fragments in registers. The block walks the query tiles of QB
-          rows, of every query head of the key head's group, that see its keys (rows_seeing),
-          Q and dO double-buffered by cp.async:
-              S^T = K Q^T, dP^T = V dO^T          accumulator fragments: keys x queries
-              P^T = exp2(S^T qk_scale - lse)      per element, 0 where the row does not see
-              dS^T = P^T (dP^T - delta)           the key (masked_score, the forward's)
-              dV += P^T dO, dK += dS^T Q          P^T and dS^T packed in registers as A
-                                                  fragments (k = queries); dO and Q by
-                                                  ldmatrix.trans, as the forward reads V
-          then dK * scale and dV are stored: the sums over a group's query heads are made in
-          one block, in a fixed order (deterministic). Under a causal band the first key
-          tiles (seen by the most rows) start first across every head (launch_order).
-          float32 (halves): each 16-row step of dV's products reaches dV by float32 adds
-          (halves.mma_halves_summed: mma.sync cuts its products toward zero); above head dims
-          of 64, or with a mask, dkdv has no registers for that, and is two kernels
-          (kv_parts): "dk" (S^T, dP^T, dK) and "dv" (S^T, dV; no V).
-    dq    grid (query tiles of BLOCK = 64 rows, the last first, B * Hq; in the forward's
-          launch_order), 4 warps of 16 rows as
-          in the forward; Q's and dO's A fragments in registers; K and V tiles of 32 keys
-          double-buffered by cp.async (flash_mma's copies):
-              S = Q K^T, dP = dO V^T              flash_mma's scores, scale_and_mask
-              P = exp2(S - lse), dS = P (dP - delta)
-              dQ += dS K                          flash_mma's pv, K in V's place
-          then dQ * scale is stored. No atomic adds: two runs are bitwise equal.
-
-Shared memory (32-bit words; rows of 16-bit values padded by 8 values, as in flash_mma.py):
-    dkdv: K (64, D + 8) | stage 0: Q (QB, D + 8), dO (QB, DV + 8) | stage 1: the same; V
-          (64, DV + 8) lands in the stages first, and leaves for registers before they fill
-    dk:   as dkdv
-    dv:   as dkdv without V
-    dq:   stage 0: K (32, D + 8), V (32, DV + 8) | stage 1: the same; Q (64, D + 8) and dO
-          (64, DV + 8) land there first, and leave for registers
-    float32 (halves, dynamic shared memory): each tile's lo half right after its hi one, but
-          for the halves that stay while the hi ones leave for registers: V's lo half in
-          dkdv and dk, after K's two; Q's and dO's in dq, after the stages (and Q's hi half
-          again after them in the nonfinite variant, for scores_exact)
-QB = 32 query rows a step at head dims up to 64, 16 above: what fits 48 KB of static shared
-memory beside K.
-
-Inputs holding a NaN or an inf: a product of mma.sync adds every pair of its tile, so a NaN in
-Q or dO (dkdv) or K (dq) of a pair that takes no part (P = -0.0, dS = 0: 0 * NaN) would reach
-the gradients. flash_attention_backward flags such tiles once per call (a pre-pass,
-nonfinite_tiles below, over q, dout and k, 32 rows a flag) and launches each kernel twice, in two
-variants: the fast one (what is drawn above) first reads the flags of every tile a block
-would use and, where one is set, leaves the block to the second (`deferred`); the second
-(MmaBwdSpec.nonfinite) runs only the deferred blocks, whose flagged tiles take flash_mma's
-pv_seen_pairs (float32, only the pairs that take part). No wait for the host; the fast
-variant carries none of the slow code.
+"""The FlashAttention-2 backward on tensor cores: the algorithm of flash_bwd.py
+(reference/tiled_backward.py) with every product done by mma.sync (warp.py), float32
+accumulation, P and dS rounded to the input dtype where they enter a product; float32 inputs
+as two float16 halves a value (halves.py). Two kernels after plain_bwd's delta kernel: dkdv
+(4 warps own 64 keys: S^T, dP^T, dV += P^T dO, dK += dS^T Q; two kernels, "dk" and "dv",
+for float32 above head dims of 64 or with a mask: kv_parts) and dq (the forward's structure,
+dQ += dS K). Tiles holding a NaN or an inf (flagged by a pre-pass) defer their blocks to a
+nonfinite variant, which adds only the pairs that take part. No atomic adds: deterministic.
+docs/design/tensor_cores.md draws the steps, the fragments and the shared memory.
 """
 import math
 from dataclasses import dataclass
@@ -629,7 +578,7 @@ def dkdv_kernel_source(spec):
         heads_q, heads_k, n_k = q.shape[1], k.shape[1], k.shape[2]
         d, d_v = q.shape[3], v.shape[3]
         # Under a causal band the first keys are seen by the most rows: they go first,
-        # rank by rank across every head (flash_fwd.launch_order).
+        # rank by rank across every head (schedule.launch_order).
         bhk, tile = grid_order(right >= 0)
         b, hk = bhk // heads_k, bhk % heads_k
         start_n = tile * BLOCK
@@ -756,7 +705,7 @@ def dq_kernel_source(spec):
         w, lane = tid // 32, tid % 32
         heads_q, heads_k, n_k = q.shape[1], k.shape[1], k.shape[2]
         d, d_v = q.shape[3], v.shape[3]
-        bh, rank = grid_order(right >= 0)  # the last tile first (flash_fwd.launch_order)
+        bh, rank = grid_order(right >= 0)  # the last tile first (schedule.launch_order)
         b, h = bh // heads_q, bh % heads_q
         hk = h // group
         tile = cuda.gridDim.x - 1 - rank

@@ -81,7 +81,7 @@ def simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, 
         launch(build_kernel(spec), spec, blocks, threads, io.stream, *kernel_args(
             q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, bias=bias_dev,
             kv_lengths=lengths, out=io.dev(dest[0]), lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d,
-            dv=pb.dv, group=pb.group, heads_q=pb.heads_q, n_tiles=n_tiles,
+            d_v=pb.dv, group=pb.group, heads_q=pb.heads_q, n_tiles=n_tiles,
             split_len=split_len, **band(pb), **steps))
         if n_splits > 1:
             _merge(io, pb, dest, out, lse, n_splits)
@@ -174,7 +174,7 @@ def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits):
         args = kernel_args(
             MMA_ARG_NAMES, **named, **flags, mask=mask_dev, bias=bias_dev, kv_lengths=lengths,
             deferred=deferred, out=io.dev(dest[0]), lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d,
-            dv=pb.dv, group=pb.group, heads_q=pb.heads_q, split_len=split_len, **band(pb),
+            d_v=pb.dv, group=pb.group, heads_q=pb.heads_q, split_len=split_len, **band(pb),
             **steps)
         for careful in (False, True):
             spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype,

@@ -30,9 +30,9 @@ THREADS = 128
 SLOTS = ("q", "k", "v", "dout")  # rows of partial, entries of factors
 
 
-def ds_factor(dv):
-    """dS's constant scale for padded value width dv (a power of two): 2^-(15 + log2 dv)."""
-    return float32(2.0 ** -(15 + dv.bit_length() - 1))
+def ds_factor(d_v):
+    """dS's constant scale for padded value width d_v (a power of two): 2^-(15 + log2 d_v)."""
+    return float32(2.0 ** -(15 + d_v.bit_length() - 1))
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,11 @@ THREADS = 32 * WARPS
 PAD = 8  # 16-bit values after each shared row
 
 
-def halves_ship(dtype, has_mask, d, dv):
+def halves_ship(dtype, has_mask, d, d_v):
     """Whether the float32 (halves) kernels, forward and backward alike, take a call: not
     with a mask or bias above head dims of HALVES_MASK_WIDTH, where the backward's registers
     spill. One rule for both: the backward's scores are then the forward's, bit for bit."""
-    return not (dtype == "float32" and has_mask and max(d, dv) > HALVES_MASK_WIDTH)
+    return not (dtype == "float32" and has_mask and max(d, d_v) > HALVES_MASK_WIDTH)
 
 
 def mma_width(d):
@@ -62,17 +62,17 @@ def make_copy_tile(ROWS, WIDTH, ROW_WORDS):
 
 def make_copy_kv(copy_k, copy_v, K_TILE):
     @kernel_part
-    def copy_kv(words, at, k, v, k_base, v_base, start, n, d, dv):
+    def copy_kv(words, at, k, v, k_base, v_base, start, n, d, d_v):
         """The K and V tiles of keys start .. start + BLOCK_N to the stage at word `at`."""
         copy_k(words, at, k, k_base, start, n, d)
-        copy_v(words, at + K_TILE, v, v_base, start, n, dv)
+        copy_v(words, at + K_TILE, v, v_base, start, n, d_v)
 
     return copy_kv
 
 
 def make_next_tile(copy_kv, STAGE):
     @kernel_part
-    def next_tile(words, k, v, k_base, v_base, start_n, last, d, dv, stage):
+    def next_tile(words, k, v, k_base, v_base, start_n, last, d, d_v, stage):
         """Wait until the key tile from start_n has landed in `stage` for every warp, then
         begin copying the next one into the other stage (the forward's and dQ's loops)."""
         warp.cp_async_wait(0)  # this thread's copies of this tile have landed
@@ -82,7 +82,7 @@ def make_next_tile(copy_kv, STAGE):
         cuda.syncthreads()
         if start_n + BLOCK_N < last:
             copy_kv(words, (1 - stage) * STAGE, k, v, k_base, v_base, start_n + BLOCK_N,
-                    last, d, dv)
+                    last, d, d_v)
             warp.cp_async_commit()
 
     return next_tile

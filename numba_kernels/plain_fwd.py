@@ -142,7 +142,7 @@ def plain_kernel_source(D, DV, dtype, has_mask):
         hk = h // group  # grouped-query attention: query head h reads key head h // group
         start_m = cuda.blockIdx.x * BLOCK_M
         i = start_m + t  # this thread's query row
-        d, dv, kv_len = q.shape[3], v.shape[3], kv_lengths[b]
+        d, d_v, kv_len = q.shape[3], v.shape[3], kv_lengths[b]
         row_ok = i < n_q  # rows past the end still help load tiles and reach every barrier
 
         load_q_row(q_i, q, b, h, i, row_ok, d)  # the row of Q, zero-padded to D
@@ -153,7 +153,7 @@ def plain_kernel_source(D, DV, dtype, has_mask):
         for start_n in range(0, kv_len, BLOCK_N):
             cuda.syncthreads()  # Barrier: every read of the previous K and V tiles is done.
             load_k_tile(K_tile, k, b, hk, start_n, kv_len, d, t, BLOCK_M)  # zeros past the end
-            load_v_tile(V_tile, v, b, hk, start_n, kv_len, dv, t, BLOCK_M)
+            load_v_tile(V_tile, v, b, hk, start_n, kv_len, d_v, t, BLOCK_M)
             cuda.syncthreads()  # Barrier: both tiles are complete.
 
             # S = Q K^T * qk_scale (+ bias), log2 units; -inf where the row does not see j.
@@ -183,7 +183,7 @@ def plain_kernel_source(D, DV, dtype, has_mask):
 
         if row_ok:  # out = acc / l_i; a row that saw no key: out = 0, lse = -inf
             empty = l_i == ZERO
-            for c in range(dv):
+            for c in range(d_v):
                 out[b, h, i, c] = store(ZERO if empty else acc[c] / l_i)
             lse[b, h, i] = NEG_INF if empty else (m_i + math.log2(l_i)) * F_LN2
 

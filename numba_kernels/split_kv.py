@@ -49,14 +49,14 @@ def merge_source(dtype):
     def merge_splits(out_part, lse_part, out, lse, n_splits):
         """out_part (n_splits * B, Hq, Nq, Dv) and lse_part (n_splits * B, Hq, Nq), float32,
         split s of batch b at s * B + b; out (B, Hq, Nq, Dv) and lse (B, Hq, Nq)."""
-        batch, heads, n_q, dv = out.shape
+        batch, heads, n_q, d_v = out.shape
         idx = int64(cuda.grid(1))
-        if idx >= batch * heads * n_q * dv:
+        if idx >= batch * heads * n_q * d_v:
             return
-        c = idx % dv
-        row = idx // dv % n_q
-        h = idx // (dv * n_q) % heads
-        b = idx // (dv * n_q * heads)
+        c = idx % d_v
+        row = idx // d_v % n_q
+        h = idx // (d_v * n_q) % heads
+        b = idx // (d_v * n_q * heads)
         m = NEG_INF
         for s in range(n_splits):
             x = lse_part[s * batch + b, h, row]

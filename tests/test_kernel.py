@@ -212,6 +212,7 @@ BAD = {
     "return-lse-str": ({}, dict(return_lse="no"), TypeError, "return_lse must be True or"),
     "window-floats": ({}, dict(window=(1.5, 2.7)), TypeError, "window must be a pair"),
     "causal-zero": ({}, dict(causal=0.0), ValueError, "causal must be one of"),
+    "scale-past-float32": ({}, dict(scale=1e38), ValueError, "scores can pass float32's range"),
 }
 
 
@@ -240,6 +241,14 @@ def test_a_torch_mask_with_numpy_inputs_is_refused_by_name():
     mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
     with pytest.raises(TypeError, match="mask is a torch array and q a numpy one"):
         flash_attention(q, k, v, mask=mask)
+
+
+def test_a_large_scale_within_float32_is_taken():
+    """scale 1e30 on inputs of ordinary size: scores up to about 1e32, within float32; the
+    check reads the inputs' largest values and lets the call run."""
+    q, k, v = inputs(0)
+    out = flash_attention(q, k, v, scale=1e30)
+    assert np.isfinite(out).all()
 
 
 def test_legal_spellings_give_the_same_answer():

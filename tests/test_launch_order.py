@@ -1,4 +1,4 @@
-"""The order in which the kernels' blocks take their tiles (flash_fwd.launch_order), on the
+"""The order in which the kernels' blocks take their tiles (schedule.launch_order), on the
 host: every (head, tile) once, a head's tiles together without a causal band, and under one
 the longest blocks first across every head, for the forward's query tiles and the backward's
 key tiles alike; in grouped_order (the tensor-core forward's), the same in groups of whole
