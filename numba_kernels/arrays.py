@@ -148,30 +148,6 @@ def native(x):
     return x
 
 
-def shares_memory(a, b):
-    """Whether arrays a and b (NumPy, torch, or CUDA arrays) may overlap in memory."""
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        return bool(np.may_share_memory(a, b))
-    ranges = [_span(x) for x in (a, b)]
-    if None in ranges:
-        return False
-    (a0, a1), (b0, b1) = ranges
-    return a0 < b1 and b0 < a1
-
-
-def _span(x):
-    """(first byte, end) of x's memory where it can be read, else None."""
-    if hasattr(x, "data_ptr"):  # torch
-        start = x.data_ptr()
-        size = x.untyped_storage().nbytes() - x.storage_offset() * x.element_size()
-        return start, start + max(size, 1)
-    face = getattr(x, "__cuda_array_interface__", None)
-    if face:
-        n = int(np.prod(face["shape"])) * np.dtype(face["typestr"]).itemsize
-        return face["data"][0], face["data"][0] + max(n, 1)
-    return None
-
-
 class NumpyIO:
     """Host arrays: copied to the device, results copied back."""
 

@@ -4,7 +4,8 @@ or row), with flash_attention's arguments, checks and array handling."""
 import numpy as np
 
 from reference.contract import array_dtype, shape4
-from .arrays import band, begin, dtype_of, is_cpu_tensor, on_device, shares_memory, side_inputs
+from reference.memory import overlaps
+from .arrays import band, begin, dtype_of, is_cpu_tensor, on_device, side_inputs
 from .common import DELTA_ARGS, DKDV_ARGS, DQ_ARGS, kernel_args
 from .flash_bwd import BwdSpec, bwd_width
 from .flash_mma_bwd import (BLOCK as MMA_BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec,
@@ -187,6 +188,6 @@ def _check_saved(pb, inputs, saved):
                              f"shape {shape} dtype {dtype}")
     for name, x in saved.items():
         for input_name, y in inputs.items():
-            if x is not None and shares_memory(x, y):
+            if x is not None and overlaps(x, y):
                 raise ValueError(f"{name} shares memory with {input_name}: pass what "
                                  f"flash_attention returned for these inputs")

@@ -46,12 +46,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if not a.impl and not a.replay:
         ap.error("name an implementation (IMPL), or a certificate with --replay")
-    if a.impl and ":" not in a.impl and a.impl not in BUILTIN_NAMES:
-        return _refused(f"unknown implementation {a.impl!r}: use one of "
-                        f"{', '.join(BUILTIN_NAMES)}, or MODULE:CALLABLE")
-    if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
-        return _refused(f"--json {a.json}: the folder "
-                        f"{os.path.dirname(os.path.abspath(a.json))} does not exist")
+    refused = _refusal(a)
+    if refused:
+        print(f"python -m verify: {refused}", file=sys.stderr)
+        return 2
     simulated = use_simulator_if_no_gpu()
     if simulated and (a.impl or "").startswith("numba"):
         print("no GPU found: Numba kernels run in the CUDA simulator (tiny sizes only)",
@@ -77,10 +75,16 @@ def main(argv=None):
     return 0 if report.passed else 1
 
 
-def _refused(message):
-    """A bad command line: the message on stderr, exit code 2 (before anything runs)."""
-    print(f"python -m verify: {message}", file=sys.stderr)
-    return 2
+def _refusal(a):
+    """Why the command line `a` cannot run, found before anything runs, or None: an adapter
+    name that is not built in, or --json into a folder that does not exist."""
+    if a.impl and ":" not in a.impl and a.impl not in BUILTIN_NAMES:
+        return (f"unknown implementation {a.impl!r}: use one of {', '.join(BUILTIN_NAMES)}, "
+                f"or MODULE:CALLABLE")
+    folder = os.path.dirname(os.path.abspath(a.json)) if a.json else None
+    if folder and not os.path.isdir(folder):
+        return f"--json {a.json}: the folder {folder} does not exist"
+    return None
 
 
 if __name__ == "__main__":

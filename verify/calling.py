@@ -9,6 +9,7 @@ import traceback
 import numpy as np
 
 from reference.dtypes import dtype_name, transported
+from reference.memory import overlaps
 from .cases import EXPANDED
 
 
@@ -215,33 +216,6 @@ def _check_array(impl, case, out):
     want = shape if impl.layout == "bhnd" else (case.B, case.Nq, case.Hq, case.Dv)
     if tuple(out.shape) != want:
         raise Fail(f"out has shape {tuple(out.shape)}; expected {want}")
-
-
-def span(x):
-    """(first byte, one past the last byte) of an array's memory, or None if unknown."""
-    if hasattr(x, "data_ptr"):  # torch
-        ptr, strides, size = x.data_ptr(), x.stride(), x.element_size()
-        shape = x.shape
-    else:
-        face = getattr(x, "__cuda_array_interface__", None) or getattr(
-            x, "__array_interface__", None)
-        if face is None or not hasattr(x, "strides"):
-            return None
-        ptr, strides, shape = face["data"][0], x.strides, x.shape
-        size = x.dtype.itemsize
-        strides = [s // size for s in strides]
-    if any(n == 0 for n in shape):
-        return None
-    lo = ptr + size * sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
-    hi = ptr + size * (1 + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0))
-    return lo, hi
-
-
-def overlaps(a, b):
-    sa, sb = span(a), span(b)
-    same_space = (hasattr(a, "__cuda_array_interface__") or getattr(a, "is_cuda", False)) == (
-        hasattr(b, "__cuda_array_interface__") or getattr(b, "is_cuda", False))
-    return bool(sa and sb and same_space and sa[0] < sb[1] and sb[0] < sa[1])
 
 
 def bits(x):
