@@ -4,7 +4,8 @@
                                          [--sweep] [--budget-s 600]
 
 On the same inputs, in one run: our kernel (numba: the SIMT kernel; numba-mma: the tensor-core
-kernel, float32 as float16 halves), torch SDPA forced to each backend (flash, efficient, cudnn, math),
+kernel, float32 as float16 halves at precision "high"; numba-mma-highest: float32 on it at
+precision "highest", the default), torch SDPA forced to each backend (flash, efficient, cudnn, math),
 and the fp32 (TF32 off) and bf16 matrix-product ceilings (torch). Shapes
 (B, H, N, D) = (4, 16, N, 64) and (2, 16, N, 128), causal and not, per dtype; decoding shapes
 (Nq = 1, Nk up to 32768, B * H = 64), with and without split-KV. CUDA events, warm-up,
@@ -120,10 +121,14 @@ def run_shape(rows, dtype, B, Hq, Hk, Nq, Nk, D, causal, impls, ceiling, spec=No
     if "numba" in impls:
         calls[label] = lambda: flash_attention(q, k, v, causal="top_left" if causal else False,
                                                spec=spec, num_splits=num_splits, kernel="simt")
-    if "numba-mma" in impls and spec is None and D % 8 == 0 \
-            and D <= 128 and num_splits is None:
+    mma = spec is None and D % 8 == 0 and D <= 128 and num_splits is None
+    if "numba-mma" in impls and mma:
         calls["numba-mma"] = lambda: flash_attention(
-            q, k, v, causal="top_left" if causal else False, kernel="mma")
+            q, k, v, causal="top_left" if causal else False, kernel="mma", precision="high")
+    if "numba-mma-highest" in impls and mma and dtype == "float32":
+        calls["numba-mma-highest"] = lambda: flash_attention(
+            q, k, v, causal="top_left" if causal else False, kernel="mma",
+            precision="highest")
     for name in impls:
         if name in BACKENDS and Hq == Hk:
             calls[name] = sdpa(BACKENDS[name], q, k, v, causal)
@@ -223,7 +228,8 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--n", default="1024,2048,4096,8192,16384")
     ap.add_argument("--dtypes", default="float32,float16,bfloat16")
-    ap.add_argument("--impls", default="numba,numba-mma,flash,efficient,cudnn,math")
+    ap.add_argument("--impls",
+                    default="numba,numba-mma-highest,numba-mma,flash,efficient,cudnn,math")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--decode-first", action="store_true",
                     help="time the decoding shapes before the others (not after)")

@@ -30,23 +30,25 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     (split_kv.py); None chooses: splits only when the query tiles alone leave the GPU's SMs
     idle (decoding). spec: a KernelSpec that forces one variant of the SIMT kernel (for
     benchmarks); by default specs.choose_spec picks it. kernel: "auto" (the default: the
-    tensor-core kernel where it applies: 16-bit inputs, and float32 at precision "high" from
-    64 query rows without a mask or bias (float32_why_not); else the SIMT one), "simt"
-    (flash_fwd.py, every dtype and head dims up to 256) or "mma" (flash_mma.py: float16 and
-    bfloat16, and float32 as two float16 halves a value (halves.py: products of about 22
-    bits, precision "high"), whose scores flash_attention_backward recomputes bit for bit
-    with the same kernel=; head dims multiples of 8 up to 128, float32 with a mask or bias
-    up to 64; a ValueError says why where it does not apply); kernel_plan tells which one a
-    call gets, why, and at which precision.
-    precision: what float32 inputs may run at, PyTorch's names: "highest", full float32 (the
-    SIMT kernels), or "high", products of about 22 bits allowed (the tensor cores' float16
-    halves). None (the default) takes
+    tensor-core kernel where it applies: 16-bit inputs, and float32 from 64 query rows
+    without a mask or bias (plan.float32_why_not); else the SIMT one), "simt" (flash_fwd.py,
+    every dtype and head dims up to 256) or "mma" (flash_mma.py: float16 and bfloat16, and
+    float32 as two float16 halves a value (halves.py), whose scores
+    flash_attention_backward recomputes bit for bit with the same kernel=; head dims
+    multiples of 8 up to 128, float32 with a mask or bias up to 64; a ValueError says why
+    where it does not apply); kernel_plan tells which one a call gets, why, and at which
+    precision.
+    precision: how accurate float32 must be, PyTorch's names: "highest", float32's accuracy
+    (the SIMT kernels, or the halves with each step's products summed apart and rounded to
+    nearest in float32: docs/design/halves.md), or "high", the error of products of about
+    22 bits allowed (the halves with mma.sync's own sums, faster). None (the default) takes
     torch.get_float32_matmul_precision() for torch tensors ("high" and "medium" give "high";
     its default is "highest") and "highest" for any other array. 16-bit inputs run at their
-    own precision either way. "high" never trades the range: where a row of q, k or v lies
-    more than 2^16 below its tensor's largest value, or a tensor's largest lies outside
-    2^-48 .. 2^48, the call runs the SIMT kernel (halves_range_why_not; kernel="mma" raises
-    instead). The gradients through autograd follow the forward's choice.
+    own precision either way. The halves never trade the range: where a row of q, k or v
+    lies more than 2^12 ("highest"; 2^16 "high") below its tensor's largest value, or a
+    tensor's largest lies outside 2^-48 .. 2^48, the call runs the SIMT kernel
+    (halves_range_why_not; kernel="mma" raises instead). The gradients through autograd
+    follow the forward's choice.
     """
     if type(q).__module__.startswith("torch") and spec is None:
         from . import autograd

@@ -5,7 +5,7 @@ import numpy as np
 
 from reference.contract import array_dtype, shape4
 from reference.memory import overlaps
-from .arrays import band, begin, dtype_of, is_cpu_tensor, on_device, side_inputs
+from .arrays import band, begin, is_cpu_tensor, on_device, side_inputs
 from .common import DELTA_ARGS, DKDV_ARGS, DQ_ARGS, kernel_args
 from .flash_bwd import BwdSpec, bwd_width
 from .flash_mma_bwd import (BLOCK as MMA_BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec,
@@ -14,7 +14,7 @@ from .launch import launch
 from .mma_parts import THREADS as MMA_THREADS, mma_width
 from .plain_bwd import DELTA_THREADS, plain_bwd_kernel
 from .plain_fwd import plain_tiles
-from .plan import backward_plan, resolve_precision
+from .plan import backward_plan, halves_summed, resolve_precision
 from .prepass import flag_prepass, halves_prepass
 from .specs import pad, tuned_bwd_kernel
 
@@ -32,10 +32,10 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     dlse: the gradient of lse too, (B, Hq, Nq) float32, where the loss used it: since
     d lse_i / d s_ij = P_ij, it enters as delta - dlse (dS = P * (dP - delta + dlse)).
     kernel: "auto" (the default, the same choice as flash_attention's "auto" forward at the
-    same precision: "mma" where it applies, float32 too at precision "high" from 64 query
-    rows without a mask or bias (plan.float32_why_not), else "tuned"), "mma"
-    (flash_mma_bwd.py: tensor cores, float16 and bfloat16, and float32 as two float16
-    halves a value (halves.py: products of about 22 bits); head
+    same precision: "mma" where it applies, float32 too from 64 query rows without a mask or
+    bias (plan.float32_why_not), else "tuned"), "mma" (flash_mma_bwd.py: tensor cores,
+    float16 and bfloat16, and float32 as two float16 halves a value (halves.py), summed
+    apart at precision "highest"); head
     dims multiples of 8 up to 128, float32 with a
     mask or bias up to 64; ValueError where it does not apply; float32's scores are the
     forward's bit for bit when out and lse came from flash_attention(kernel="mma"): after
@@ -52,19 +52,21 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
         return on_device(flash_attention_backward, (q, k, v, out, lse, dout), dict(
             scale=scale, causal=causal, mask=mask, bias=bias, kv_lengths=kv_lengths,
             window=window, dlse=dlse, kernel=kernel,
-            precision=resolve_precision(precision, q, kernel, dtype_of(q))))
+            precision=resolve_precision(precision, q)))
     pb, io, _, _ = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window, out=out,
                          lse=lse, dout=dout, dlse=dlse)
     _check_saved(pb, dict(q=q, k=k, v=v), dict(out=out, lse=lse, dout=dout, dlse=dlse))
     has_mask = mask is not None or bias is not None
-    precision = resolve_precision(precision, q, kernel, pb.dtype)
+    precision = resolve_precision(precision, q)
     kernel = backward_plan(pb, kernel, has_mask, precision, dict(q=q, k=k, v=v, dout=dout))
-    return _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, kernel)
+    return _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, kernel,
+                      precision)
 
 
-def _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, kernel):
-    """(dq, dk, dv) of a checked call from the backward kernel `kernel`, after the delta
-    kernel (delta = rowsum(dout * out), minus dlse)."""
+def _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, kernel,
+               precision="highest"):
+    """(dq, dk, dv) of a checked call from the backward kernel `kernel` at `precision`,
+    after the delta kernel (delta = rowsum(dout * out), minus dlse)."""
     has_mask = mask is not None or bias is not None
     dq = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.d), pb.dtype)
     dk = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.d), pb.dtype)
@@ -86,12 +88,13 @@ def _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, ke
         if dlse is not None:
             named["delta"] = _minus(io, named["delta"], dlse)
     LAUNCHES[kernel](pb, io, named, dict(dq=io.dev(dq), dk=io.dev(dk), dv=io.dev(dv)),
-                    width, has_mask)
+                     width, has_mask, precision)
     return io.result(dq), io.result(dk), io.result(dv)
 
 
-def _plain(pb, io, named, grads, width, has_mask):
-    """The plain dK/dV and dQ kernels (plain_bwd.py): one thread per key, one per row."""
+def _plain(pb, io, named, grads, width, has_mask, precision):
+    """The plain dK/dV and dQ kernels (plain_bwd.py): one thread per key, one per row; full
+    float32 at either precision."""
     rows, _ = plain_tiles(width)  # rows (dq) or keys (dk, dv) a block, one thread each
     key = (width, pb.dtype, has_mask)
     if pb.batch * pb.heads_k * pb.n_k:
@@ -104,8 +107,9 @@ def _plain(pb, io, named, grads, width, has_mask):
                *_ordered(DQ_ARGS, dict(named, dq=grads["dq"])))
 
 
-def _tuned(pb, io, named, grads, width, has_mask):
-    """The tuned dK/dV and dQ kernels (flash_bwd.py): register micro-tiles."""
+def _tuned(pb, io, named, grads, width, has_mask, precision):
+    """The tuned dK/dV and dQ kernels (flash_bwd.py): register micro-tiles; full float32 at
+    either precision."""
     for part, n, heads, args, out in (("dkdv", pb.n_k, pb.heads_k, DKDV_ARGS, ("dk", "dv")),
                                       ("dq", pb.n_q, pb.heads_q, DQ_ARGS, ("dq",))):
         w = bwd_width(pb.d, pb.dv)
@@ -119,18 +123,21 @@ def _tuned(pb, io, named, grads, width, has_mask):
                    shared=spec.dynamic_shared_bytes)
 
 
-def _mma(pb, io, named, grads, width, has_mask):
+def _mma(pb, io, named, grads, width, has_mask, precision):
     """The tensor-core dK/dV and dQ kernels (flash_mma_bwd.py), after the pre-pass flags the
     tiles of q, dout and k that hold a NaN or an inf (and, for float32, splits q, k, v and
     dout into float16 halves): each kernel's fast variant, then its nonfinite variant for
-    the blocks the fast one deferred (most often none: its blocks return at once)."""
+    the blocks the fast one deferred (most often none: its blocks return at once); float32
+    at precision "highest" by the variants that sum each step's products apart."""
+    summed = halves_summed(pb.dtype, precision)
     if pb.dtype == "float32":
         named, flags = halves_prepass(io, named)
     else:
         flags = {f"{name}_flags": flag_prepass(io, pb, named[name]) for name in ("q", "dout", "k")}
         flags["factors"] = io.flat(named["delta"])  # not read by the 16-bit variants
     kv = tuple((part, pb.n_k, pb.heads_k, MMA_DKDV_ARGS, ("dk", "dv"))
-               for part in kv_parts(pb.dtype, mma_width(pb.d), mma_width(pb.dv), has_mask))
+               for part in kv_parts(pb.dtype, mma_width(pb.d), mma_width(pb.dv), has_mask,
+                                    summed))
     for part, n, heads, args, out in kv + (("dq", pb.n_q, pb.heads_q, MMA_DQ_ARGS, ("dq",)),):
         blocks = -(-n // MMA_BLOCK)
         if pb.batch * heads * n == 0:
@@ -139,7 +146,7 @@ def _mma(pb, io, named, grads, width, has_mask):
                       deferred=io.scratch((pb.batch, heads, blocks)))
         for nonfinite in (False, True):
             spec = MmaBwdSpec(part, mma_width(pb.d), mma_width(pb.dv), pb.dtype, has_mask,
-                              nonfinite)
+                              nonfinite, summed)
             launch(mma_bwd_kernel(spec), spec, (blocks, pb.batch * heads), MMA_THREADS,
                    io.stream, *_ordered(args, values), shared=spec.dynamic_shared_bytes)
 

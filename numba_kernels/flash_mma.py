@@ -21,7 +21,7 @@ from .mma_parts import (BLOCK_M, BLOCK_N, EXPONENT_BITS, FACTORS, FLAG_ROWS,
                         MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, WARPS, halves_ship, make_copy_kv,
                         make_copy_tile, make_load_q_fragments, make_next_tile, make_pv,
                         make_pv_seen_pairs, make_q_scores, make_scale_and_mask, make_scores,
-                        make_unpacked, own_flagged, tiles_flagged, word_nonfinite)
+                        make_unpacked, own_flagged, row_max, tiles_flagged, word_nonfinite)
 from .schedule import grid_order_grouped, key_range_device, key_tiles
 
 DEFERRED = ("deferred", "flags", "(splits * B, Hq, query tiles) uint8: 1 where a block of the "
@@ -52,6 +52,7 @@ class MmaSpec:
     has_mask: bool
     partial: bool = False  # split-KV: float32 partial results for split_kv's merge
     careful: bool = False  # the variant for the blocks the fast one deferred (V not finite)
+    summed: bool = False  # float32: each step's products summed apart (precision "highest")
 
     def check(self):
         if self.d not in MMA_WIDTHS or self.dv not in MMA_WIDTHS:
@@ -59,12 +60,20 @@ class MmaSpec:
         if self.dtype not in MMA_INPUT_DTYPES:
             raise ValueError(f"MmaSpec: dtype must be one of {MMA_INPUT_DTYPES}, got "
                              f"{self.dtype!r}")
+        if self.summed and not self.halves:
+            raise ValueError(f"MmaSpec: summed is for float32 (halves) only, got {self}")
         return self
 
     @property
     def halves(self):
         """Whether each operand is two float16 halves (float32 inputs)."""
         return self.dtype == "float32"
+
+    @property
+    def q_hi_shared(self):
+        """Whether Q's hi tile stays in shared memory (at layout's q_hi_at): for the careful
+        variant's scores_exact, and for the summed scores, which read it there."""
+        return self.careful or self.summed
 
     @property
     def ships(self):
@@ -76,8 +85,8 @@ class MmaSpec:
         """Where the shared tiles start, in 32-bit words (the module's docstring draws them):
         row words of a Q/K and a V tile, K's lo tile `k_lo` after its hi one, the V tile
         `k_tile` after K (its lo tile `v_lo` after its hi one), `stage`'s words, and for
-        halves Q's lo tile (at `q_lo_at`, after the stages) and, in the careful variant, Q's
-        hi tile again (`q_hi_at`, for scores_exact); the total `words`."""
+        halves Q's lo tile (at `q_lo_at`, after the stages) and, where q_hi_shared, Q's
+        hi tile again (`q_hi_at`); the total `words`."""
         k_row, v_row = (self.d + PAD) // 2, (self.dv + PAD) // 2
         n = 2 if self.halves else 1
         k_tile = n * BLOCK_N * k_row
@@ -86,7 +95,7 @@ class MmaSpec:
         q_hi_at = q_lo_at + BLOCK_M * k_row
         words = stage + max(stage, BLOCK_M * k_row)  # Q lands in the second stage
         if self.halves:
-            words = q_hi_at + (BLOCK_M * k_row if self.careful else 0)
+            words = q_hi_at + (BLOCK_M * k_row if self.q_hi_shared else 0)
         return dict(k_row=k_row, v_row=v_row, k_lo=BLOCK_N * k_row, k_tile=k_tile,
                     v_lo=BLOCK_N * v_row, stage=stage, q_lo_at=q_lo_at, q_hi_at=q_hi_at,
                     words=words)
@@ -100,9 +109,10 @@ class MmaSpec:
 
 def mma_specs():
     """Every variant the PTX report compiles."""
-    specs = (MmaSpec(d, dv, dtype, m, p, c).check() for d in MMA_WIDTHS for dv in MMA_WIDTHS
-             for dtype in MMA_INPUT_DTYPES for m in (False, True) for p in (False, True)
-             for c in (False, True))
+    specs = (MmaSpec(d, dv, dtype, m, p, c, summed).check() for d in MMA_WIDTHS
+             for dv in MMA_WIDTHS for dtype in MMA_INPUT_DTYPES for m in (False, True)
+             for p in (False, True) for c in (False, True)
+             for summed in ((False, True) if dtype == "float32" else (False,)))
     return [s for s in specs if s.ships]
 
 
@@ -179,13 +189,6 @@ def make_init_rows(VB):
                 acc[vb, e] = ZERO
 
     return init_rows
-
-
-@kernel_part
-def row_max(x):
-    """The max over the 4 lanes that hold a row (lanes 4g .. 4g + 3)."""
-    x = max(x, warp.shfl_xor(x, 1))
-    return max(x, warp.shfl_xor(x, 2))
 
 
 def make_online_softmax(NB, VB):

@@ -3,13 +3,13 @@
 accumulation, P and dS rounded to the input dtype where they enter a product; float32 inputs
 as two float16 halves a value (halves.py). Two kernels after plain_bwd's delta kernel: dkdv
 (4 warps own 64 keys: S^T, dP^T, dV += P^T dO, dK += dS^T Q; two kernels, "dk" and "dv",
-for float32 above head dims of 64 or with a mask: kv_parts) and dq (the forward's structure,
+for float32 above head dims of 64, with a mask, or summed: kv_parts) and dq (the forward's structure,
 dQ += dS K). Tiles holding a NaN or an inf (flagged by a pre-pass) defer their blocks to a
 nonfinite variant, which adds only the pairs that take part. No atomic adds: deterministic.
 docs/design/tensor_cores.md draws the steps, the fragments and the shared memory.
 """
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from functools import lru_cache
 
 from numba import cuda
@@ -51,13 +51,13 @@ PARTS = ("dkdv", "dk", "dv", "dq")
 KV_SPLIT_WIDTH = 64  # float32 above this head dim: dK and dV in two kernels (kv_parts)
 
 
-def kv_parts(dtype, d, dv, has_mask):
+def kv_parts(dtype, d, dv, has_mask, summed=False):
     """The kernels that make dK and dV: "dkdv", or for float32 above head dims of
-    KV_SPLIT_WIDTH or with a mask or bias, "dk" and "dv". dV's step sums
-    (halves.mma_halves_summed) take registers that dkdv does not have there (ptxas spills 8
-    bytes at width 128, 56 with a mask at 64); apart, each kernel has room, at the cost of
-    computing S^T twice (5 products a step instead of 4)."""
-    split = dtype == "float32" and (max(d, dv) > KV_SPLIT_WIDTH or has_mask)
+    KV_SPLIT_WIDTH, with a mask or bias, or summed (precision "highest"), "dk" and "dv".
+    dV's step sums (halves.mma_halves_summed) take registers that dkdv does not have there
+    (ptxas spills 8 bytes at width 128, 56 with a mask at 64, 8 summed at 64); apart, each
+    kernel has room, at the cost of computing S^T twice (5 products a step instead of 4)."""
+    split = dtype == "float32" and (max(d, dv) > KV_SPLIT_WIDTH or has_mask or summed)
     return ("dk", "dv") if split else ("dkdv",)
 
 
@@ -71,12 +71,14 @@ class MmaBwdSpec:
     dtype: str  # the inputs' dtype; float32 is multiplied as float16 halves (halves.py)
     has_mask: bool
     nonfinite: bool = False  # the variant for blocks whose tiles hold a NaN or an inf
+    summed: bool = False  # float32: each step's products summed apart (precision "highest")
 
     def check(self):
         if self.part not in PARTS or self.d not in MMA_WIDTHS \
-                or self.dv not in MMA_WIDTHS or self.dtype not in MMA_BWD_DTYPES:
+                or self.dv not in MMA_WIDTHS or self.dtype not in MMA_BWD_DTYPES \
+                or (self.summed and not self.halves):
             raise ValueError(f"MmaBwdSpec: part in {PARTS}, d and dv in {MMA_WIDTHS}, dtype "
-                             f"in {MMA_BWD_DTYPES}; got {self}")
+                             f"in {MMA_BWD_DTYPES}, summed for float32 only; got {self}")
         return self
 
     @property
@@ -86,7 +88,7 @@ class MmaBwdSpec:
         tuned kernels; and the dK, dV kernels of kv_parts)."""
         return halves_ship(self.dtype, self.has_mask, self.d, self.dv) and (
             self.part == "dq" or self.part in kv_parts(self.dtype, self.d, self.dv,
-                                                       self.has_mask))
+                                                       self.has_mask, self.summed))
 
     @property
     def halves(self):
@@ -124,18 +126,27 @@ class MmaBwdSpec:
         stage = n * KEY_TILE * (k_row + v_row)
         q_lo_at = max(2 * stage, BLOCK * (k_row + v_row))  # after the stages Q and dO land in
         q_hi_at = q_lo_at + (BLOCK * (k_row + v_row) if self.halves else 0)
-        exact = self.halves and self.nonfinite  # Q's hi half kept too, for scores_exact
         return dict(k_row=k_row, v_row=v_row, stage=stage, k_lo=KEY_TILE * k_row,
                     v_at=n * KEY_TILE * k_row, v_lo=KEY_TILE * v_row, q_lo_at=q_lo_at,
                     do_at=BLOCK * k_row, do_lo_at=q_lo_at + BLOCK * k_row, q_hi_at=q_hi_at,
-                    words=q_hi_at + (BLOCK * k_row if exact else 0))
+                    do_hi_at=q_hi_at + BLOCK * k_row,  # summed: dO's hi tile kept too
+                    words=q_hi_at + (BLOCK * k_row if self.q_hi_shared else 0)
+                    + (BLOCK * v_row if self.summed else 0))
+
+    @property
+    def q_hi_shared(self):
+        """Whether dq keeps Q's hi tile in shared memory (at layout's q_hi_at): for the
+        nonfinite variant's scores_exact, and for the summed scores, which read it there."""
+        return self.halves and (self.nonfinite or self.summed)
 
 
 def mma_bwd_specs():
     """Every variant a call can launch, the pre-passes too: the PTX gate compiles each."""
-    return [s for s in (MmaBwdSpec(part, d, dv, dtype, m, n).check() for part in PARTS
+    return [s for s in (MmaBwdSpec(part, d, dv, dtype, m, n, summed).check() for part in PARTS
                         for d in MMA_WIDTHS for dv in MMA_WIDTHS for dtype in MMA_BWD_DTYPES
-                        for m in (False, True) for n in (False, True)) if s.ships] \
+                        for m in (False, True) for n in (False, True)
+                        for summed in ((False, True) if dtype == "float32" else (False,)))
+            if s.ships] \
         + [ScanSpec(t) for t in MMA_DTYPES] + halves.halves_specs()
 
 
@@ -336,20 +347,23 @@ def make_load_kv_block(copy_k, copy_v, load_v_fragments, STAGES_AT, WITH_V):
     return load_kv_block
 
 
-def make_load_query_block(copy_q, copy_do, load_q_fragments, load_do_fragments, DO_AT):
+def make_load_query_block(copy_q, copy_do, load_q_fragments, load_do_fragments, DO_AT,
+                          FRAGMENTS=True):
     @kernel_part
     def load_query_block(words, q, dout, q_frag, do_frag, b, heads_q, h, start_m, n_q, d, d_v,
                          lane, w):
         """The block's query rows: Q and dO through the stages into this warp's A
-        fragments. Two barriers."""
+        fragments (not FRAGMENTS: the summed variants, which read them from shared memory
+        at each step). Two barriers."""
         at_q = (int64(b) * heads_q + h) * n_q
         copy_q(words, 0, q, at_q * d, start_m, n_q, d)
         copy_do(words, DO_AT, dout, at_q * d_v, start_m, n_q, d_v)
         warp.cp_async_commit()
         warp.cp_async_wait(0)
         cuda.syncthreads()  # Barrier: Q and dO have landed.
-        load_q_fragments(words, 0, q_frag, lane, w)
-        load_do_fragments(words, DO_AT, do_frag, lane, w)
+        if FRAGMENTS:
+            load_q_fragments(words, 0, q_frag, lane, w)
+            load_do_fragments(words, DO_AT, do_frag, lane, w)
         cuda.syncthreads()  # Barrier: every warp has its fragments: the stages are free.
 
     return load_query_block
@@ -506,8 +520,8 @@ def make_either(scores, exact):
 
 def _scales(spec):
     """(P's, dS's constant factors, call_factors): halves.py's for float32, else ones."""
-    if spec.halves:
-        ds = halves.ds_factor(spec.dv)
+    if spec.halves:  # summed: dS's rows scaled at each step instead (ROW_SCALED)
+        ds = float32(1.0) if spec.summed else halves.ds_factor(spec.dv)
         return halves.P_FACTOR, ds, halves.make_factors(True, ds)
     one = float32(1.0)
     return one, one, halves.make_factors(False, one)
@@ -536,14 +550,16 @@ def dkdv_kernel_source(spec):
         NB, make_masked_score({"HAS_MASK": spec.has_mask}), spec.has_mask, P_FACTOR, DS_FACTOR)
     EXACT = spec.halves and NONFINITE  # scores_exact for tile pairs holding a NaN or an inf
     if spec.halves:
+        SUMMED = spec.summed
         scores_s = make_either(
-            halves.make_scores_t_halves(D, K_ROW, K_ROW, QB, lay["k_lo"], lay["q_lo"]),
+            halves.make_scores_t_halves(D, K_ROW, K_ROW, QB, lay["k_lo"], lay["q_lo"], SUMMED),
             halves.make_scores_exact(D, K_ROW, K_ROW, QB, lay["k_lo"], lay["q_lo"])
             if EXACT else None)
-        scores_dp = halves.make_scores_halves(DV, V_ROW, lay["v_lo_at"], lay["do_lo"], QB)
+        scores_dp = halves.make_scores_halves(DV, V_ROW, lay["v_lo_at"], lay["do_lo"], QB,
+                                              SUMMED)
         products = make_kv_products(
             halves.make_pv_halves(DV, V_ROW, lay["do_lo"], QB, True),
-            halves.make_pv_halves(D, K_ROW, lay["q_lo"], QB),
+            halves.make_pv_halves(D, K_ROW, lay["q_lo"], QB, SUMMED, SUMMED),  # dK += dS^T Q
             halves.make_pv_seen_pairs_halves(DV, V_ROW, lay["do_lo"], QB),
             halves.make_pv_seen_pairs_halves(D, K_ROW, lay["q_lo"], QB), DO_AT, NONFINITE,
             DK, DV_)
@@ -656,24 +672,37 @@ def dq_kernel_source(spec):
     QSTEPS, VSTEPS, DB = D // 16, DV // 16, D // 8  # fragments of Q, of dO, of dQ
     NONFINITE = spec.nonfinite
     mma, pack, unpack = _products(spec)
-    EXACT, HALVES = spec.halves and NONFINITE, spec.halves  # EXACT: scores_exact for tile
-    Q_HI_AT = lay["q_hi_at"]                                # pairs holding a NaN or an inf
+    # The summed fast variant keeps the nonfinite one's branches (scores_exact for a flagged
+    # tile pair, the seen pairs of a flagged K tile), never taken there (its blocks with a
+    # flagged tile were deferred): without them ptxas pipelines the loop and spills (56
+    # bytes at head dim 128; 193 registers with them).
+    BRANCHED = NONFINITE or spec.summed
+    HALVES = spec.halves
+    EXACT = HALVES and BRANCHED  # scores_exact for tile pairs holding a NaN or an inf
+    Q_HI_AT = lay["q_hi_at"]
     copy_q = _copier(spec, BLOCK, D, K_ROW, lay["q_lo_at"],  # Q lands at word 0
-                     Q_HI_AT if EXACT else None)
-    copy_do = _copier(spec, BLOCK, DV, V_ROW, lay["do_lo_at"] - DO_AT)
+                     Q_HI_AT if spec.q_hi_shared else None)
+    DO_HI_AT = lay["do_hi_at"]  # summed: dO's hi tile, read by scores_dp there
+    copy_do = _copier(spec, BLOCK, DV, V_ROW, lay["do_lo_at"] - DO_AT,
+                      DO_HI_AT - DO_AT if spec.summed else None)
     copy_kv = make_copy_kv(_copier(spec, KEY_TILE, D, K_ROW, lay["k_lo"]),
                            _copier(spec, KEY_TILE, DV, V_ROW, lay["v_lo"]), V_AT)
     load_query_block = make_load_query_block(
         copy_q, copy_do, make_load_q_fragments(D, K_ROW), make_load_q_fragments(DV, V_ROW),
-        DO_AT)
+        DO_AT, not spec.summed)
     _, DS_FACTOR, call_factors = _scales(spec)
     if spec.halves:
+        SUMMED = spec.summed
         scores_s = make_q_scores(
-            halves.make_scores_halves(D, K_ROW, lay["q_lo_at"], lay["k_lo"]),
+            halves.make_scores_halves(D, K_ROW, lay["q_lo_at"], lay["k_lo"], SUMMED=SUMMED,
+                                      A_HI_AT=Q_HI_AT if SUMMED else None),
             halves.make_scores_exact(D, K_ROW, K_ROW, KEY_TILE, lay["q_lo_at"] - Q_HI_AT,
                                      lay["k_lo"]) if EXACT else None, Q_HI_AT)
-        scores_dp = halves.make_scores_halves(DV, V_ROW, lay["do_lo_at"], lay["v_lo"])
-        dq_product = halves.make_pv_halves(D, K_ROW, lay["k_lo"])
+        scores_dp = halves.make_scores_halves(DV, V_ROW, lay["do_lo_at"], lay["v_lo"],
+                                              SUMMED=SUMMED,
+                                              A_HI_AT=DO_HI_AT if SUMMED else None)
+        dq_product = halves.make_pv_halves(D, K_ROW, lay["k_lo"], SUMMED=SUMMED,
+                                           ROW_SCALED=SUMMED)  # dQ += dS K
         dq_seen_pairs = halves.make_pv_seen_pairs_halves(D, K_ROW, lay["k_lo"])
     else:
         scores_s = make_q_scores(make_scores(D, K_ROW, mma), None, Q_HI_AT)
@@ -683,7 +712,7 @@ def dq_kernel_source(spec):
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
                                          spec.has_mask)
     q_probabilities = make_q_probabilities(NB, DS_FACTOR)
-    add_dq, next_tile = (make_add_dq(dq_product, dq_seen_pairs, NONFINITE),
+    add_dq, next_tile = (make_add_dq(dq_product, dq_seen_pairs, BRANCHED),
                          make_next_tile(copy_kv, STAGE))
     store_dq = make_store_rows(D, CONVERTERS[spec.dtype][1])
 
@@ -730,12 +759,13 @@ def dq_kernel_source(spec):
         load_query_block(words, q, dout, q_frag, do_frag, b, heads_q, h, start_m, n_q, d, d_v,
                          lane, w)
         k_at = (int64(b) * heads_k + hk) * n_k
+        k_base, v_base = k_at * d, k_at * d_v
         if first < last:  # group: the first key tile, into stage 0
-            copy_kv(words, 0, k, v, k_at * d, k_at * d_v, first, last, d, d_v)
+            copy_kv(words, 0, k, v, k_base, v_base, first, last, d, d_v)
             warp.cp_async_commit()
         stage = 0
         for start_n in range(first, last, KEY_TILE):
-            next_tile(words, k, v, k_at * d, k_at * d_v, start_n, last, d, d_v, stage)
+            next_tile(words, k, v, k_base, v_base, start_n, last, d, d_v, stage)
             at = stage * STAGE
             scores_s(words, at, q_frag, s, lane, w,  # S = Q K^T
                      EXACT and (rows_bad or k_flags[b, hk, start_n // FLAG_ROWS] != 0))
@@ -745,7 +775,7 @@ def dq_kernel_source(spec):
                            start_n, lo, hi, interior, whole_rows, n_q, lane)
             q_probabilities(s, dp, lse_r, delta_r)
             add_dq(words, at, s, dp, dq_acc, lane,  # dQ += dS K
-                   NONFINITE and k_flags[b, hk, start_n // FLAG_ROWS] != 0)
+                   BRANCHED and k_flags[b, hk, start_n // FLAG_ROWS] != 0)
             stage = 1 - stage
         store_dq(dq, dq_acc, b, h, row0, n_q, d, dq_factor, lane)
 
@@ -759,5 +789,4 @@ def mma_bwd_source(spec):
 @lru_cache(maxsize=32)
 def mma_bwd_kernel(spec):
     """The compiled kernel of a variant (through the on-disk compile cache)."""
-    return jit(mma_bwd_source(spec), ("mma-bwd", spec.part, spec.d, spec.dv, spec.dtype,
-                                      spec.has_mask, spec.nonfinite), FASTMATH)
+    return jit(mma_bwd_source(spec), ("mma-bwd",) + astuple(spec), FASTMATH)

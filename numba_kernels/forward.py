@@ -12,7 +12,8 @@ from .flash_mma import MMA_ARG_NAMES, MmaSpec, mma_kernel
 from .launch import launch
 from .mma_parts import BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, mma_width as pad_mma
 from .plain_fwd import PLAIN_ARG_NAMES, plain_kernel, plain_tiles
-from .plan import call_plan, check_kernel, mma_plan, resolve_precision
+from .plan import (call_plan, check_kernel, halves_range_why_not, halves_summed, mma_plan,
+                   resolve_precision)
 from .prepass import halves_prepass
 from .specs import build_kernel, build_merge, choose_spec, launch_grid, pad
 from .split_kv import choose_splits, split_layout
@@ -29,9 +30,9 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
     if spec is not None and not isinstance(spec, KernelSpec):
         raise TypeError(f"spec must be a KernelSpec of the SIMT kernel (specs.choose_spec) or "
                         f"None, got {spec!r}")
-    precision = resolve_precision(precision, q, kernel, dtype_of(q))
+    precision = resolve_precision(precision, q)
     key = None
-    halves = dtype_of(q) == "float32" and (precision == "high" or kernel == "mma")
+    halves = dtype_of(q) == "float32" and kernel != "simt"
     if mask is None and bias is None and kv_lengths is None and spec is None and not halves:
         # (float32 on halves is not replayed: the values' range decides the kernel)
         key = replay_key(q, k, v, scale, causal, window, return_lse, num_splits, kernel,
@@ -41,9 +42,11 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
             return found.run((q, k, v))
     with replay.recording(key, (q, k, v)) as recorded:
         pb, io, out, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
-        if call_plan(pb, kernel, spec, mask is not None or bias is not None, precision,
-                     dict(q=q, k=k, v=v)).kernel == "mma":
-            mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits)
+        plan = call_plan(pb, kernel, spec, mask is not None or bias is not None, precision,
+                         dict(q=q, k=k, v=v))
+        if plan.kernel == "mma":
+            mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
+                        halves_summed(pb.dtype, plan.precision))
         else:
             simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
                           spec)
@@ -138,26 +141,32 @@ def plain_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
 
 
 def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
-                  kv_lengths=None, window=None, return_lse=False, num_splits=None):
+                  kv_lengths=None, window=None, return_lse=False, num_splits=None,
+                  precision=None):
     """The tensor-core kernel (flash_mma.py: mma.sync, float16 and bfloat16 inputs, float32
-    as float16 halves) with flash_attention's arguments, checks and array handling, split-KV
-    included. Raises ValueError naming the reason where it does not apply
-    (flash_mma.mma_plan)."""
+    as float16 halves at flash_attention's precision) with flash_attention's arguments,
+    checks and array handling, split-KV included. Raises ValueError naming the reason where
+    it does not apply (plan.mma_plan; for float32, plan.halves_range_why_not)."""
     return_lse = check_flag("return_lse", return_lse)
     check_num_splits(num_splits)
+    precision = resolve_precision(precision, q)
     pb, io, out, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
     why_not = mma_plan(pb, mask is not None or bias is not None)
+    if why_not is None and pb.dtype == "float32":
+        why_not = halves_range_why_not(dict(q=q, k=k, v=v), precision)
     if why_not:
         raise ValueError(f"the tensor-core kernel does not apply: {why_not}")
-    mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits)
+    mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
+                halves_summed(pb.dtype, precision))
     return results(io, out, lse, return_lse)
 
 
-def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits):
+def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, summed=False):
     """The tensor-core kernel (flash_mma.py) into out and lse, split-KV merged: its fast
     variant, then its careful variant for the blocks the fast one deferred (a row that
     ended non-finite, or, float32, a Q or K tile holding a NaN or an inf; most often none,
-    and its blocks return at once). float32 goes through halves.py's pre-pass first."""
+    and its blocks return at once). float32 goes through halves.py's pre-pass first;
+    summed: its variants that sum each step's products apart (precision "highest")."""
     if pb.batch * pb.heads_q * pb.n_q > 0:
         q_tiles = -(-pb.n_q // MMA_BLOCK_M)
         n_splits, split_len = _splits(pb, q_tiles * pb.batch * pb.heads_q, MMA_BLOCK_N,
@@ -178,7 +187,7 @@ def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits):
             **steps)
         for careful in (False, True):
             spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype,
-                           mask is not None or bias is not None, n_splits > 1, careful)
+                           mask is not None or bias is not None, n_splits > 1, careful, summed)
             launch(mma_kernel(spec), spec, (q_tiles, pb.batch * pb.heads_q, n_splits), 128,
                    io.stream, *args, shared=spec.dynamic_shared_bytes)
         if n_splits > 1:

@@ -5,9 +5,11 @@ every |x c| < 2^14, and writes hi = float16(x c) and lo = float16(x c - hi) besi
 other (hi at batch b, lo at B + b), with flags of the row tiles that hold a NaN or an inf.
 The tensor-core kernels (flash_mma.py, flash_mma_bwd.py, MmaSpec and MmaBwdSpec dtype
 "float32") then do each product as three mma.sync, hi hi + hi lo + lo hi (the small terms
-first): products of about 22 bits, precision "high". The forward and the backward compute
-the scores alike, bit for bit. docs/design/halves.md has the design: the scales, the
-operands split in registers, the rounding of mma.sync's sums, and what the range check
+first): products of about 22 bits. At precision "high" mma.sync sums them; at "highest" (the
+summed variants) each 16-term step is summed from 0 and added in float32, and dS's rows are
+scaled at each step. The forward and the backward compute the scores alike, bit for bit.
+docs/design/halves.md has the design: the scales, the operands split in registers, the
+rounding of mma.sync's sums, the summed variants, and what the range check
 (plan.halves_range_why_not) guards.
 """
 import math
@@ -21,10 +23,11 @@ from .compile_cache import jit
 from .convert import bits_to_float, float_to_bits, float32, int64
 from .common import FASTMATH, ZERO, kernel_part
 from .mma_parts import (BLOCK_M, BLOCK_N, FLAG_ROWS, make_copy_kv, make_copy_tile,
-                        make_mma_pair, make_pv_seen_pairs, make_q_scores)
+                        make_mma_pair, make_pv_seen_pairs, make_q_scores, row_max)
 
 TOP = 14  # |x c| < 2^TOP
 P_FACTOR = float32(2.0**TOP)
+ONE = float32(1.0)
 ABS_BLOCKS = 256  # blocks of the absmax pass a tensor (each thread a stride of the tensor)
 THREADS = 128
 SLOTS = ("q", "k", "v", "dout")  # rows of partial, entries of factors
@@ -184,10 +187,15 @@ def mma_halves_t(c, nb, a, a_lo, b, b_lo):
     mma_pair(c, nb, a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3])
 
 
-def make_scores_halves(D, ROW, A_LO_AT, B_LO, KEYS=BLOCK_N):
+def make_scores_halves(D, ROW, A_LO_AT, B_LO, KEYS=BLOCK_N, SUMMED=False, A_HI_AT=None):
     """flash_mma's scores (S = A B^T, A's hi fragments in registers) with halves: A's lo
     fragments from the tile at word A_LO_AT (rows of ROW words, the warp's 16 rows at 16 w),
-    B's lo tile B_LO words after its hi one."""
+    B's lo tile B_LO words after its hi one. SUMMED: each 16-column step's products reach S
+    by float32 adds (mma_halves_summed: precision "highest"). A_HI_AT not None: A's hi
+    fragments from the tile at that word too, a_frag unread (the registers the step sums
+    take at head dim 128)."""
+    HI_SHARED, HI_AT = A_HI_AT is not None, A_HI_AT or 0
+
     @kernel_part
     def scores(words, at, a_frag, s, lane):
         m, r, w = lane // 8, lane % 8, cuda.threadIdx.x // 32
@@ -195,22 +203,31 @@ def make_scores_halves(D, ROW, A_LO_AT, B_LO, KEYS=BLOCK_N):
             for e in range(4):
                 s[nb, e] = ZERO
         for kk in range(D // 16):
-            a_lo = warp.ldmatrix_x4(
-                words, A_LO_AT + (w * 16 + r + 8 * (m % 2)) * ROW + kk * 8 + 4 * (m // 2))
-            a = (a_frag[kk, 0], a_frag[kk, 1], a_frag[kk, 2], a_frag[kk, 3])
+            a_word = (w * 16 + r + 8 * (m % 2)) * ROW + kk * 8 + 4 * (m // 2)
+            a_lo = warp.ldmatrix_x4(words, A_LO_AT + a_word)
+            if HI_SHARED:
+                a = warp.ldmatrix_x4(words, HI_AT + a_word)
+            else:
+                a = (a_frag[kk, 0], a_frag[kk, 1], a_frag[kk, 2], a_frag[kk, 3])
             for n2 in range(KEYS // 16):
                 b_at = at + (n2 * 16 + r + 8 * (m // 2)) * ROW + kk * 8 + 4 * (m % 2)
-                mma_halves(s, 2 * n2, a, a_lo, warp.ldmatrix_x4(words, b_at),
-                           warp.ldmatrix_x4(words, b_at + B_LO))
+                b, b_lo = warp.ldmatrix_x4(words, b_at), warp.ldmatrix_x4(words, b_at + B_LO)
+                if SUMMED:
+                    mma_halves_summed(s, 2 * n2, a, a_lo, b, b_lo, ONE, ONE)
+                else:
+                    mma_halves(s, 2 * n2, a, a_lo, b, b_lo)
 
     return scores
 
 
-def make_scores_t_halves(KDIM, A_ROW, B_ROW, COLS, A_LO, B_LO):
+def make_scores_t_halves(KDIM, A_ROW, B_ROW, COLS, A_LO, B_LO, SUMMED=False):
     """flash_mma_bwd's scores_t (c = A B^T, both from shared memory) with halves: each lo
     tile A_LO (B_LO) words after its hi one. Made for S^T = K Q^T (dkdv): each element is
-    the product scores_halves makes of it in S = Q K^T (the forward's and dq's), bit for bit
-    (mma_halves_t), so that P = exp2(S - lse) is the forward's P."""
+    the product scores_halves (with the same SUMMED) makes of it in S = Q K^T (the
+    forward's and dq's), bit for bit (mma_halves_t, mma_halves_t_summed), so that
+    P = exp2(S - lse) is the forward's P."""
+    product = mma_halves_t_summed if SUMMED else mma_halves_t
+
     @kernel_part
     def scores_t(words, a_at, b_at, c, lane, w):
         m, r = lane // 8, lane % 8
@@ -222,40 +239,83 @@ def make_scores_t_halves(KDIM, A_ROW, B_ROW, COLS, A_LO, B_LO):
             a, a_lo = warp.ldmatrix_x4(words, a_word), warp.ldmatrix_x4(words, a_word + A_LO)
             for n2 in range(COLS // 16):
                 b_word = b_at + (n2 * 16 + r + 8 * (m // 2)) * B_ROW + kk * 8 + 4 * (m % 2)
-                mma_halves_t(c, 2 * n2, a, a_lo, warp.ldmatrix_x4(words, b_word),
-                             warp.ldmatrix_x4(words, b_word + B_LO))
+                product(c, 2 * n2, a, a_lo, warp.ldmatrix_x4(words, b_word),
+                        warp.ldmatrix_x4(words, b_word + B_LO))
 
     return scores_t
 
 
 @kernel_part
-def mma_halves_summed(c, nb, a, a_lo, b, b_lo):
-    """mma_halves's products (lo hi, hi lo, hi hi) summed from 0, one n-block at a time, and
-    added to c by float32 adds (rounding to nearest; mma.sync would cut each product to c's
-    ulp: the module's docstring)."""
+def summed_step(c, nb, a1, b1, a2, b2, a3, b3, inv0, inv1):
+    """c's n-blocks nb and nb + 1 += (a1 b1 + a2 b2 + a3 b3) times inv0 in rows g, inv1 in
+    rows g + 8 (fragments as mma_halves takes them; inv powers of two, row_scales's, or 1):
+    each n-block's three products summed from 0, then scaled (exact) and added to c by
+    float32 adds, rounding to nearest (mma.sync would cut each product to c's ulp: the
+    module's docstring)."""
     for j in range(2):
-        t0, t1, t2, t3 = warp.mma_f16(a_lo[0], a_lo[1], a_lo[2], a_lo[3], b[2 * j],
-                                      b[2 * j + 1], ZERO, ZERO, ZERO, ZERO)
-        t0, t1, t2, t3 = warp.mma_f16(a[0], a[1], a[2], a[3], b_lo[2 * j], b_lo[2 * j + 1],
+        t0, t1, t2, t3 = warp.mma_f16(a1[0], a1[1], a1[2], a1[3], b1[2 * j], b1[2 * j + 1],
+                                      ZERO, ZERO, ZERO, ZERO)
+        t0, t1, t2, t3 = warp.mma_f16(a2[0], a2[1], a2[2], a2[3], b2[2 * j], b2[2 * j + 1],
                                       t0, t1, t2, t3)
-        t0, t1, t2, t3 = warp.mma_f16(a[0], a[1], a[2], a[3], b[2 * j], b[2 * j + 1],
+        t0, t1, t2, t3 = warp.mma_f16(a3[0], a3[1], a3[2], a3[3], b3[2 * j], b3[2 * j + 1],
                                       t0, t1, t2, t3)
-        c[nb + j, 0] += t0
-        c[nb + j, 1] += t1
-        c[nb + j, 2] += t2
-        c[nb + j, 3] += t3
+        c[nb + j, 0] += t0 * inv0
+        c[nb + j, 1] += t1 * inv0
+        c[nb + j, 2] += t2 * inv1
+        c[nb + j, 3] += t3 * inv1
 
 
-def make_pv_halves(DV, V_ROW, B_LO, KEYS=BLOCK_N, SUMMED=False):
+@kernel_part
+def mma_halves_summed(c, nb, a, a_lo, b, b_lo, inv0, inv1):
+    """mma_halves's products (lo hi, hi lo, hi hi), summed_step's way."""
+    summed_step(c, nb, a_lo, b, a, b_lo, a, b, inv0, inv1)
+
+
+@kernel_part
+def mma_halves_t_summed(c, nb, a, a_lo, b, b_lo):
+    """mma_halves_t's products (hi lo, lo hi, hi hi), summed_step's way: C^T's elements are
+    mma_halves_summed's of C, bit for bit."""
+    summed_step(c, nb, a, b_lo, a_lo, b, a, b, ONE, ONE)
+
+
+def make_row_scales(NB):
+    @kernel_part
+    def row_scales(s, inv):
+        """Each of the lane's two rows of s (NB n-blocks of an accumulator fragment) times a
+        power of two c that takes its largest finite |x| (over the row's 4 lanes) into
+        [2^13, 2^14) (power_factors), inv[half] = 1 / c: the row's halves then keep 22 bits
+        of its largest values, whatever the row's size."""
+        for half in range(2):
+            top = ZERO
+            for nb in range(NB):
+                top = max(top, max(finite_abs(s[nb, 2 * half]),
+                                   finite_abs(s[nb, 2 * half + 1])))
+            c, inv[half] = power_factors(row_max(top))
+            for nb in range(NB):
+                s[nb, 2 * half] *= c
+                s[nb, 2 * half + 1] *= c
+
+    return row_scales
+
+
+def make_pv_halves(DV, V_ROW, B_LO, KEYS=BLOCK_N, SUMMED=False, ROW_SCALED=False):
     """flash_mma's pv (acc += X V, X's accumulator fragments packed in registers, V by
     ldmatrix.trans) with halves: X packed as hi and lo (pack_halves), V's lo tile B_LO words
     after its hi one. SUMMED: each 16-row step's products reach acc by float32 adds
-    (mma_halves_summed; dV, the module's docstring)."""
-    product = mma_halves_summed if SUMMED else mma_halves
+    (mma_halves_summed: dV always, every product at precision "highest"; the module's
+    docstring). ROW_SCALED (with SUMMED): X's rows scaled by row_scales first (in place),
+    each step's sums scaled back before they are added: for dS, whose size the constant
+    scales do not know."""
+    assert SUMMED or not ROW_SCALED
+    row_scales = make_row_scales(KEYS // 8)
 
     @kernel_part
     def pv(words, at, s, acc, lane):
         m, r = lane // 8, lane % 8
+        inv = cuda.local.array(2, float32)
+        inv[0], inv[1] = ONE, ONE
+        if ROW_SCALED:
+            row_scales(s, inv)
         for n2 in range(KEYS // 16):
             a0, l0 = pack_halves(s[2 * n2, 0], s[2 * n2, 1])
             a1, l1 = pack_halves(s[2 * n2, 2], s[2 * n2, 3])
@@ -263,9 +323,13 @@ def make_pv_halves(DV, V_ROW, B_LO, KEYS=BLOCK_N, SUMMED=False):
             a3, l3 = pack_halves(s[2 * n2 + 1, 2], s[2 * n2 + 1, 3])
             for v2 in range(DV // 16):
                 v_word = at + (n2 * 16 + r + 8 * (m % 2)) * V_ROW + v2 * 8 + 4 * (m // 2)
-                product(acc, 2 * v2, (a0, a1, a2, a3), (l0, l1, l2, l3),
-                        warp.ldmatrix_x4_trans(words, v_word),
-                        warp.ldmatrix_x4_trans(words, v_word + B_LO))
+                b, b_lo = (warp.ldmatrix_x4_trans(words, v_word),
+                           warp.ldmatrix_x4_trans(words, v_word + B_LO))
+                if SUMMED:
+                    mma_halves_summed(acc, 2 * v2, (a0, a1, a2, a3), (l0, l1, l2, l3), b,
+                                      b_lo, inv[0], inv[1])
+                else:
+                    mma_halves(acc, 2 * v2, (a0, a1, a2, a3), (l0, l1, l2, l3), b, b_lo)
 
     return pv
 
@@ -323,7 +387,8 @@ def forward_parts(spec):
     """(copy_kv, copy_q, scores, pv, pv_seen_pairs): flash_mma's parts for a float32 variant
     (MmaSpec.layout): the K, V and Q tiles with their lo halves, S = Q K^T by
     scores_halves (scores_exact where the careful variant's tile pair holds a NaN or an
-    inf: Q's hi tile is copied again for it), P V by pv_halves."""
+    inf), P V by pv_halves. Q's hi tile is copied again (spec.q_hi_shared) for scores_exact,
+    and for the summed variants, whose scores read it there."""
     lay = spec.layout
     D, DV, K_ROW, V_ROW, STAGE = spec.d, spec.dv, lay["k_row"], lay["v_row"], lay["stage"]
     Q_LO_AT, Q_HI_AT = lay["q_lo_at"], lay["q_hi_at"]
@@ -331,11 +396,14 @@ def forward_parts(spec):
                            make_copy_tile_halves(BLOCK_N, DV, V_ROW, lay["v_lo"]),
                            lay["k_tile"])
     copy_q = make_copy_tile_halves(BLOCK_M, D, K_ROW, Q_LO_AT - STAGE,  # Q lands in stage 1
-                                   Q_HI_AT - STAGE if spec.careful else None)
+                                   Q_HI_AT - STAGE if spec.q_hi_shared else None)
     exact = make_scores_exact(D, K_ROW, K_ROW, BLOCK_N, Q_LO_AT - Q_HI_AT, lay["k_lo"])
-    scores = make_q_scores(make_scores_halves(D, K_ROW, Q_LO_AT, lay["k_lo"]),
-                           exact if spec.careful else None, Q_HI_AT)
-    return (copy_kv, copy_q, scores, make_pv_halves(DV, V_ROW, lay["v_lo"]),
+    scores = make_q_scores(
+        make_scores_halves(D, K_ROW, Q_LO_AT, lay["k_lo"], SUMMED=spec.summed,
+                           A_HI_AT=Q_HI_AT if spec.summed else None),
+        exact if spec.careful else None, Q_HI_AT)
+    return (copy_kv, copy_q, scores,
+            make_pv_halves(DV, V_ROW, lay["v_lo"], SUMMED=spec.summed),
             make_pv_seen_pairs_halves(DV, V_ROW, lay["v_lo"]))
 
 

@@ -35,6 +35,14 @@ def mma_width(d):
     return next((w for w in MMA_WIDTHS if w >= d), None)
 
 
+@kernel_part
+def row_max(x):
+    """The max over the 4 lanes that hold a row of an accumulator fragment (lanes 4g .. 4g
+    + 3)."""
+    x = max(x, warp.shfl_xor(x, 1))
+    return max(x, warp.shfl_xor(x, 2))
+
+
 def make_copy_tile(ROWS, WIDTH, ROW_WORDS):
     """copy_tile(words, at, x, base, start, n, width): rows start .. start + ROWS of the
     (n, width) matrix at flat element `base` of x (C-contiguous 16-bit values, width % 8 == 0)

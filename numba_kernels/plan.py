@@ -1,6 +1,7 @@
 """Which kernel a call runs, and why: the forward's ("simt" or "mma") and the backward's
-("plain", "tuned" or "mma"), at which precision float32 runs, and where the tensor cores'
-float16 halves cannot hold the values. One choice for both passes, so that the backward's
+("plain", "tuned" or "mma"), at which precision float32 runs (and so which variants of the
+tensor-core kernels: halves_summed), and where the tensor cores' float16 halves cannot hold
+the values. One choice for both passes, so that the backward's
 scores are the forward's."""
 from typing import NamedTuple
 
@@ -21,17 +22,17 @@ FLOAT32_MIN_ROWS = 64  # "auto": float32 with fewer query rows (decoding) stays 
 
 class Plan(NamedTuple):
     """What a call runs: the forward kernel ("simt" or "mma"), why, and the precision of its
-    float32 arithmetic ("highest": full float32; "high": float16 halves)."""
+    float32 arithmetic ("highest": float32's accuracy; "high": the float16 halves' with
+    mma.sync's own sums)."""
     kernel: str
     why: str
     precision: str
 
 
-def resolve_precision(precision, q, kernel, dtype):
+def resolve_precision(precision, q):
     """The precision a call runs float32 at (PRECISIONS): precision as given, or for None,
     PyTorch's float32 matmul precision where q is a torch tensor, else "highest". Raises
-    ValueError for a name not in PRECISIONS, and for kernel="mma" on dtype float32 (float16
-    halves) with precision="highest" asked for by name."""
+    ValueError for a name not in PRECISIONS."""
     if precision is None:
         if not type(q).__module__.startswith("torch"):
             return "highest"
@@ -42,25 +43,25 @@ def resolve_precision(precision, q, kernel, dtype):
         raise ValueError(f"precision must be one of {PRECISIONS}, or None (PyTorch's float32 "
                          f"matmul precision for torch tensors, else 'highest'), got "
                          f"{precision!r}")
-    if precision == "highest" and kernel == "mma" and dtype == "float32":
-        raise ValueError("kernel='mma' runs float32 as float16 halves (products of about 22 "
-                         "bits: precision 'high'); precision='highest' asks for full float32: "
-                         "use kernel='auto' or 'simt'")
     return precision
 
 
-def float32_why_not(pb, has_mask, precision="highest"):
+def halves_summed(dtype, precision):
+    """Whether the tensor-core kernels run their summed variants (MmaSpec.summed: each
+    step's products summed apart, float32 at precision "highest")."""
+    return dtype == "float32" and precision == "highest"
+
+
+def float32_why_not(pb, has_mask):
     """Why "auto" leaves float32 problem pb to the SIMT kernels, forward and backward alike,
-    or None: the tensor cores take float32 as float16 halves (halves.py) at precision "high"
-    only, where verify's numba-mma-backward certifies the pair, without a mask or bias, and
+    or None: the tensor cores take float32 as float16 halves (halves.py) where verify's
+    numba-mma-highest and numba-mma-backward certify the pair, without a mask or bias, and
     where a query tile is full: with one query row the halves' pre-pass, which reads k and v
     once more, made decoding twice as slow on the H200."""
-    if precision == "highest":
-        return ("float32 at precision 'highest' (the default) is full float32; the tensor "
-                "cores' float16 halves (products of about 22 bits) run at precision='high'")
     if has_mask:
         return ("float32 with a mask or bias takes the tensor cores only when asked, "
-                "kernel='mma' (verify's numba-mma-backward does not certify it)")
+                "kernel='mma' (verify's numba-mma-highest and numba-mma-backward do not "
+                "certify it)")
     if pb.n_q < FLOAT32_MIN_ROWS:
         return (f"float32 with fewer than {FLOAT32_MIN_ROWS} query rows (decoding) takes "
                 "the tensor cores only when asked, kernel='mma' (their pre-pass reads k and "
@@ -74,7 +75,7 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
     arguments, "simt" (flash_fwd.py) or "mma" (flash_mma.py), why, and the precision of its
     float32 arithmetic. kernel="auto" takes the tensor-core kernel where it applies
     (mma_plan: head dims multiples of 8 up to 128; no spec of the SIMT kernel
-    given) for float16 and bfloat16, and for float32 at precision "high" (float32_why_not:
+    given) for float16 and bfloat16, and for float32 at either precision (float32_why_not:
     not with a mask or bias, nor for decoding; halves_range_why_not: not where a row's
     values lie too far below the tensor's largest), and says why not where it falls back;
     "mma" raises ValueError with that reason instead. num_splits is taken as flash_attention
@@ -83,7 +84,7 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
     return call_plan(pb, kernel, spec, mask is not None or bias is not None,
-                     resolve_precision(precision, q, kernel, pb.dtype), dict(q=q, k=k, v=v))
+                     resolve_precision(precision, q), dict(q=q, k=k, v=v))
 
 
 def check_kernel(kernel, kernels=KERNELS):
@@ -112,50 +113,59 @@ def shape_plan(pb, kernel, spec, has_mask, precision):
     if why_not is None and spec is not None:
         why_not = "a spec (a variant of the SIMT kernel) was given"
     if why_not is None and kernel == "auto" and pb.dtype == "float32":
-        why_not = float32_why_not(pb, has_mask, precision)
+        why_not = float32_why_not(pb, has_mask)
     if why_not is None:
-        halves = pb.dtype == "float32"
-        return Plan("mma", "asked for" if kernel == "mma" else "16-bit inputs it takes"
-                    if not halves else "float32 inputs it takes, as float16 halves "
-                    "(precision 'high')", "high" if halves else "highest")
+        if pb.dtype != "float32":
+            return Plan("mma", "asked for" if kernel == "mma" else "16-bit inputs it takes",
+                        "highest")
+        return Plan("mma", "asked for" if kernel == "mma" else
+                    f"float32 inputs it takes, as float16 halves ({HALVES_WAY[precision]})",
+                    precision)
     if kernel == "mma":
         raise ValueError(f"kernel='mma': {why_not}")
     return Plan("simt", f"the tensor-core kernel does not apply: {why_not}", "highest")
 
 
-HALVES_RANGE = 16  # binades below a tensor's largest value where its halves keep 22 bits
+# binades below a tensor's largest value a row's largest may lie on float16 halves, by
+# precision: where hi + lo keep 22 bits ("high"), and where the error stays a float32
+# kernel's ("highest": docs/design/halves.md)
+HALVES_RANGE = {"high": 16, "highest": 12}
 HALVES_SPAN = 48  # the tensors' largest values within 2^-48 .. 2^48: the scales' products fit
+HALVES_WAY = {"high": "precision 'high': mma.sync's own sums",
+              "highest": "precision 'highest': each step's products summed apart"}
 
 
-def halves_range_why_not(named):
+def halves_range_why_not(named, precision="high"):
     """None, or why float16 halves with one scale per tensor (halves.py) would not hold the
-    float32 tensors `named` ({name: (B, H, N, W) array of any kind}): a row (of a query, a
-    key or a value; a head of dout, whose rows scale their own gradients alone) whose largest
-    finite |x| lies more than 2^HALVES_RANGE below the tensor's largest (zeros are exact):
-    after the tensor's scale its values fall toward float16's subnormals (hi + lo keep fewer
-    than 22 bits), and 2^30 below nothing of them is left, which a head or a key whose values
-    are small beside the others' cannot afford; or a tensor whose largest |x| lies outside
-    2^-HALVES_SPAN .. 2^HALVES_SPAN, whose scales' products would leave float32's range.
-    Reads every element once (on the device for torch and CuPy, one small copy back)."""
+    float32 tensors `named` ({name: (B, H, N, W) array of any kind}) at `precision`: a row
+    (of a query, a key or a value; a head of dout, whose rows scale their own gradients
+    alone) whose largest finite |x| lies more than 2^HALVES_RANGE[precision] below the
+    tensor's largest (zeros are exact): after the tensor's scale its values fall toward
+    float16's subnormals (hi + lo keep fewer bits), and 2^30 below nothing of them is left,
+    which a head or a key whose values are small beside the others' cannot afford; or a
+    tensor whose largest |x| lies outside 2^-HALVES_SPAN .. 2^HALVES_SPAN, whose scales'
+    products would leave float32's range. Reads every element once (on the device for
+    torch and CuPy, one small copy back)."""
+    top_range = HALVES_RANGE[precision]
     for name, x in named.items():
         top = row_maxima(x)
         if name == "dout":
             top = top.max(axis=2, keepdims=True)
         largest = float(top.max(initial=0.0))
         if largest and not 2.0**-HALVES_SPAN <= largest <= 2.0**HALVES_SPAN:
-            return (f"float32 at precision 'high': the largest value of {name} is "
+            return (f"float32 at precision {precision!r}: the largest value of {name} is "
                     f"2^{np.log2(largest):.0f}, outside the 2^-{HALVES_SPAN} .. "
                     f"2^{HALVES_SPAN} that float16 halves with one scale per tensor hold")
-        low = (top > 0) & (top < largest * 2.0**-HALVES_RANGE)
+        low = (top > 0) & (top < largest * 2.0**-top_range)
         if low.any():
             b, h, r = np.unravel_index(int(np.argmax(low)), top.shape)
             gap = np.log2(largest / top[b, h, r])
             where = f"(batch {b}, head {h})" if name == "dout" else \
                 f"row {r} of (batch {b}, head {h})"
-            return (f"float32 at precision 'high': {where} of {name} holds values "
+            return (f"float32 at precision {precision!r}: {where} of {name} holds values "
                     f"2^{gap:.0f} below the tensor's largest, past the "
-                    f"2^{HALVES_RANGE} that float16 halves with one scale per tensor hold "
-                    f"(halves.py)")
+                    f"2^{top_range} that float16 halves with one scale per tensor hold "
+                    f"at that precision (halves.py)")
     return None
 
 
@@ -185,7 +195,7 @@ def call_plan(pb, kernel, spec, has_mask, precision, named):
     plan = shape_plan(pb, kernel, spec, has_mask, precision)
     if plan.kernel != "mma" or pb.dtype != "float32":
         return plan
-    why_not = halves_range_why_not(named)
+    why_not = halves_range_why_not(named, precision)
     if why_not is None:
         return plan
     if kernel == "mma":

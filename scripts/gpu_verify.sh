@@ -22,9 +22,9 @@ pack() {
 trap pack EXIT
 trap 'exit 143' TERM INT
 STEPS=${STEPS:-ab check verify broken findings scale}
-IMPLS=${IMPLS:-numba numba-mma torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
+IMPLS=${IMPLS:-numba numba-mma numba-mma-highest torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
 SCALE_IMPLS=${SCALE_IMPLS:-numba torch-efficient}
-BACKWARD_IMPLS=${BACKWARD_IMPLS:-numba torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
+BACKWARD_IMPLS=${BACKWARD_IMPLS:-numba numba-mma-highest torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
 step() { [[ " $STEPS " == *" $1 "* ]]; }
 summary() {  # the failure map and the verdict line of a verify log
   grep -E "^(failure map|  |fully masked|VERIFY BUG|.* passed, .* failed)" "$1" | head -8

@@ -93,24 +93,28 @@ def test_a_bias_that_needs_a_gradient_is_refused():
 
 def test_the_gradients_follow_the_forwards_kernel_and_precision(monkeypatch):
     """The backward runs the kernels the forward chose, at its precision: the tuned ones
-    after the SIMT forward (float32 by default), the tensor cores after the halves
-    (precision="high"), whose scores are the forward's bit for bit; a dout whose head the
+    after the SIMT forward, the tensor cores after the halves (float32 by default, summed;
+    precision="high"), whose scores are the forward's bit for bit; a dout whose head the
     halves cannot hold is refused by name, not run on other scores."""
     from numba_kernels import backward, forward
 
     ran = []
     for name in backward.LAUNCHES:
-        monkeypatch.setitem(backward.LAUNCHES, name, lambda *a, name=name: ran.append(name))
+        monkeypatch.setitem(backward.LAUNCHES, name,
+                            lambda *a, name=name: ran.append((name, a[-1])))
     # the forward's choice is what is tested, not its values: the halves' launch left out
-    monkeypatch.setattr(forward, "mma_forward", lambda *a: ran.append("mma forward"))
+    monkeypatch.setattr(forward, "mma_forward",
+                        lambda *a: ran.append(("mma forward", "summed" if a[-1] else "")))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 16, generator=g).requires_grad_() for _ in range(3))
+    flash_attention(q, k, v, kernel="simt").sum().backward()
+    assert ran == [("tuned", "highest")]
     flash_attention(q, k, v).sum().backward()
-    assert ran == ["tuned"]
+    assert ran[1:] == [("mma forward", "summed"), ("mma", "highest")]
     out = flash_attention(q, k, v, precision="high")  # one forward on the halves, two uses
     dout = torch.ones(1, 2, 64, 16)
     dout[0, 1] = 2.0**-20
     with pytest.raises(ValueError, match=r"\(batch 0, head 1\) of dout holds values 2\^20"):
         out.backward(dout, retain_graph=True)
     out.backward(torch.ones(1, 2, 64, 16))
-    assert ran == ["tuned", "mma forward", "mma"]
+    assert ran[3:] == [("mma forward", ""), ("mma", "high")]

@@ -7,6 +7,8 @@ torch CUDA) runs them all; in the simulator they are skipped.
   (launch.py) and must take every pointer from its own arguments;
 - replayed calls (replay.py) bitwise equal to whole ones, and the layouts that replay;
 - how mma.sync rounds its sums: the model tests/test_halves.py and warp.py build on;
+- float32 by default (precision "highest", the summed halves on the tensor cores) errs as
+  torch's math backend in float32 does, at sizes where their sums are long;
 - compute-sanitizer's racecheck and memcheck on small launches of several variants, where
   compute-sanitizer is on the PATH.
 """
@@ -61,7 +63,8 @@ REPLAY_CASES = {
     "bf16 gqa window": (2, 8, 2, 97, 300, 64, 64, "bfloat16",
                         dict(window=(40, 3), causal="bottom_right", scale=0.3), {}, True),
     "bf16 decoding": (4, 8, 8, 1, 4096, 128, 128, "bfloat16", {}, {}, True),
-    "fp32 simt": (2, 2, 2, 70, 70, 64, 64, "float32", dict(causal="top_left"), {}, True),
+    "fp32 simt": (2, 2, 2, 70, 70, 64, 64, "float32", dict(causal="top_left", kernel="simt"),
+                  {}, True),
     "bf16 strided q": (1, 2, 2, 64, 64, 64, 64, "bfloat16", {}, dict(strided=True), False),
     "bf16 q is k": (1, 2, 2, 64, 64, 64, 64, "bfloat16", {}, dict(same=True), True),
 }
@@ -149,6 +152,11 @@ for dt, kernel in ((torch.float32, "tuned"), (torch.bfloat16, "mma")):
                                kernel="simt" if kernel == "tuned" else "mma")
     flash_attention_backward(q, k, v, out, lse, torch.ones_like(out), causal="bottom_right",
                              kernel=kernel)
+for d in (64, 128):  # float32 at precision "highest": the summed tensor-core variants
+    q, k, v = r(1, 2, 100, d), r(1, 2, 130, d), r(1, 2, 130, d)
+    out, lse = flash_attention(q, k, v, causal="bottom_right", return_lse=True, kernel="mma")
+    flash_attention_backward(q, k, v, out, lse, torch.ones_like(out), causal="bottom_right",
+                             kernel="mma")
 torch.cuda.synchronize()
 print("launches done")
 """
@@ -182,3 +190,56 @@ def test_strided_inputs_give_the_contiguous_outputs_bitwise(dtype):
         assert torch.equal(flash_attention(*strided, causal="bottom_right"),
                            flash_attention(*(x.contiguous() for x in strided),
                                            causal="bottom_right"))
+
+
+ACCURACY_SHAPES = {  # (B, Hq, Hk, Nq, Nk, D, causal)
+    "GQA 8:2, causal bottom_right, D=40": (2, 8, 2, 1000, 3001, 40, "bottom_right"),
+    "D=128, 4096 keys": (1, 4, 4, 4096, 4096, 128, False),
+    "D=64, 2048 keys": (2, 8, 8, 2048, 2048, 64, False),
+}
+
+
+def _math_attention(q, k, v, dout, causal):
+    """out and the gradients by torch's math backend in q's dtype (float64 for the truth)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    mask = None
+    if causal:  # bottom_right: row i sees keys j <= i + Nk - Nq
+        i = torch.arange(q.shape[2], device="cuda")[:, None]
+        mask = torch.arange(k.shape[2], device="cuda")[None] <= i + k.shape[2] - q.shape[2]
+    with sdpa_kernel(SDPBackend.MATH):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=mask)
+    return (out,) + torch.autograd.grad(out, (q, k, v), dout.to(q.dtype))
+
+
+@pytest.mark.parametrize("name", list(ACCURACY_SHAPES))
+def test_float32_by_default_errs_as_torchs_float32_math_does(name):
+    """flash_attention's float32 default, forward and backward (precision "highest": here the
+    summed halves, plan.halves_summed), against float64: each output's normwise error at
+    most 2 times torch's math backend's in float32 for out, 3 times for each gradient, per
+    (batch, head) slice as well as whole."""
+    from numba_kernels import flash_attention, flash_attention_backward, kernel_plan
+
+    b, hq, hk, nq, nk, d, causal = ACCURACY_SHAPES[name]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, hq, nq, d, device="cuda", generator=g)
+    k, v = (torch.randn(b, hk, nk, d, device="cuda", generator=g) for _ in range(2))
+    dout = torch.randn(b, hq, nq, d, device="cuda", generator=g)
+    assert kernel_plan(q, k, v, causal=causal)[::2] == ("mma", "highest")
+    out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+    ours = (out,) + flash_attention_backward(q, k, v, out, lse, dout, causal=causal)
+    truth = _math_attention(*(x.double() for x in (q, k, v, dout)), causal)
+    math = _math_attention(q, k, v, dout, causal)
+
+    def errors(got, want):  # whole, and the worst (batch, head) slice
+        diff = (got.double() - want).flatten(2)
+        return ((diff.norm() / want.norm()).item(),
+                (diff.norm(dim=2) / want.flatten(2).norm(dim=2)).max().item())
+
+    for what, mine, theirs, want, allowed in zip(("out", "dq", "dk", "dv"), ours, math, truth,
+                                                  (2, 3, 3, 3)):
+        for ours_err, math_err in zip(errors(mine, want), errors(theirs, want)):
+            assert ours_err <= allowed * math_err, (what, ours_err, math_err)

@@ -1,7 +1,8 @@
 """float32 on the tensor cores (numba_kernels/halves.py): the pre-pass that splits q, k, v and
 dout into float16 halves, the forward and backward kernels that multiply them (flash_mma.py,
 flash_mma_bwd.py, dtype float32) and the agreement of their scores, in the simulator.
-scripts/gpu_verify.sh (IMPLS=numba-mma-backward) certifies them on a GPU (verify's standard suite, float32)."""
+scripts/gpu_verify.sh (IMPLS=numba-mma-highest, numba-mma-backward) certifies them on a GPU
+(verify's standard suite, float32)."""
 import numpy as np
 import pytest
 from numba import cuda  # a global: the simulator swaps it for its own in kernels
@@ -55,13 +56,13 @@ INF = Case("float32 halves: an inf in keys some see", B=1, Hq=1, Hk=1, Nq=20, Nk
            Dv=16, dtype="float32", causal="top_left", poison="k:inf", backward=True)
 
 
-def _judge(case, backward=True):
-    return verify.compare(verify.builtin("numba-mma-backward"), backward=backward,
-                          cases=[(case, 0)], progress=False)
+def _judge(case, backward=True, impl="numba-mma-highest"):
+    return verify.compare(verify.builtin(impl), backward=backward, cases=[(case, 0)],
+                          progress=False)
 
 
 @pytest.mark.long
-@pytest.mark.skipif(not SIMULATOR, reason="gpu_halves_round.sh certifies it on a GPU")
+@pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on a GPU")
 def test_the_float32_forward_on_halves_passes_verify():
     """The forward alone (flash_attention(kernel="mma"), float32): GQA, a causal band, V NaN
     at a key some rows see (the careful variant's seen pairs); each query tile of 64 rows
@@ -74,7 +75,7 @@ def test_the_float32_forward_on_halves_passes_verify():
 
 
 @pytest.mark.long
-@pytest.mark.skipif(not SIMULATOR, reason="gpu_halves_round.sh certifies it on a GPU")
+@pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on a GPU")
 def test_float32_gradients_from_halves_pass_verify():
     """(With pack_halves giving lo = 0, P and dS carry 11 bits and this case fails: checked
     once, left out of CI for its 110 s in the simulator.)"""
@@ -86,10 +87,10 @@ def test_float32_gradients_from_halves_pass_verify():
 @pytest.mark.skipif(not SIMULATOR, reason="a simulator test")
 def test_an_inf_takes_exact_scores_and_reaches_nothing(monkeypatch):
     """hi lo products turn inf * x into NaN where x's lo half is 0 or of the other sign;
-    flagged tile pairs take scores_exact, forward and backward (the first call). Without the
-    forward's flags its products put NaN where the truth is finite, and verify fails the
-    forward alone (the second)."""
-    report = _judge(INF)
+    flagged tile pairs take scores_exact, forward and backward (the first call, at precision
+    "high"). Without the forward's flags its products put NaN where the truth is finite, and
+    verify fails the forward alone (the second)."""
+    report = _judge(INF, impl="numba-mma-backward")
     assert report.passed and report.cases[0].verdict == "pass", str(report)
     split = prepass.halves_prepass
 
@@ -100,31 +101,33 @@ def test_an_inf_takes_exact_scores_and_reaches_nothing(monkeypatch):
         return named, flags
 
     monkeypatch.setattr(forward, "halves_prepass", unflagged)  # the forward's pre-pass
-    report = _judge(INF, backward=False)
+    report = _judge(INF, backward=False, impl="numba-mma-backward")
     assert not report.passed and report.cases[0].verdict == "fail", str(report)
 
 
-def _one_key_dv_error(forward_kernel):
+def _one_key_dv_error(forward_kernel, precision="highest"):
     """max |dv - dout| / max |dout| where each query row sees one key, q and k 30 times their
-    usual size (scores near 3000), after a forward by `forward_kernel`."""
+    usual size (scores near 3000), after a forward by `forward_kernel`, at `precision`."""
     from numba_kernels import flash_attention, flash_attention_backward
 
     rng = np.random.default_rng(1)
     q, k, v, dout = (rng.standard_normal((1, 1, 1, 16)).astype(np.float32) for _ in range(4))
     q, k = q * 30, k * 30
-    out, lse = flash_attention(q, k, v, return_lse=True, kernel=forward_kernel)
-    dv = flash_attention_backward(q, k, v, out, lse, dout, kernel="mma")[2]
+    out, lse = flash_attention(q, k, v, return_lse=True, kernel=forward_kernel,
+                               precision=precision)
+    dv = flash_attention_backward(q, k, v, out, lse, dout, kernel="mma", precision=precision)[2]
     return float(np.abs(dv - dout).max() / np.abs(dout).max())
 
 
-@pytest.mark.skipif(not SIMULATOR, reason="halves_check.py --consistency runs it on a GPU")
-def test_the_backward_sees_the_forwards_scores():
+@pytest.mark.skipif(not SIMULATOR, reason="a simulator test")
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_the_backward_sees_the_forwards_scores(precision):
     """With one key P = exp(S - lse) is 1 exactly when the backward's score is the one the
     forward's lse was made from: dv is then dout, to the split's 22 bits (9e-8 here). A score
     that differs by its rounding moves P by up to 2^-22 |S|: after the SIMT forward
     (kernel="simt") the error is 8e-5 and this fails (checked once, left out of CI for its
     40 s)."""
-    assert _one_key_dv_error("mma") <= 2.0**-20
+    assert _one_key_dv_error("mma", precision) <= 2.0**-20
 
 
 def _mma_as_the_h200_sums(a, b, c, dtype):
@@ -205,3 +208,71 @@ def test_dvs_step_sums_keep_what_the_tensor_cores_cut(monkeypatch):
     monkeypatch.setattr(warp, "mma_reference", _mma_as_the_h200_sums)
     assert (run(True) == one_and_two_ulp).all()
     assert (run(False) == 1.0).all()  # every product cut
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="a simulator test")
+def test_row_scales_keep_small_rows_of_ds_to_22_bits():
+    """dS's rows can be far smaller than any constant scale allows for (P near 1 / N): left
+    unscaled, values of 2^-20 fall into float16's subnormals and their halves keep a few bits;
+    row_scales (make_pv_halves ROW_SCALED, precision "highest") takes each row to
+    [2^13, 2^14) first and the product back after, to 22 bits. acc += X V for 16 keys."""
+    from numba_kernels.convert import float32, uint32
+
+    v_row, keys = 12, 16  # 16 columns of V and 8 of padding: 12 words a row
+    lo_words = keys * v_row
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((32, 2, 4)) * 2.0**-20).astype(np.float32)  # the lanes' X
+    v = rng.standard_normal((keys, 16)).astype(np.float32)
+    hi = v.astype(np.float16)
+    lo = (v - hi.astype(np.float32)).astype(np.float16)
+    words_in = np.zeros(2 * lo_words, np.uint32)
+    for tile, part in ((0, hi), (1, lo)):
+        padded = np.zeros((keys, 24), np.float16)
+        padded[:, :16] = part
+        words_in[tile * lo_words:(tile + 1) * lo_words] = padded.view(np.uint32).ravel()
+
+    def run(row_scaled):
+        pv = halves.make_pv_halves(16, v_row, lo_words, keys, True, row_scaled)
+
+        @cuda.jit
+        def kernel(words_in, x, out):
+            words = cuda.shared.array(2 * 16 * 12, uint32)
+            lane = cuda.threadIdx.x
+            for i in range(lane, words_in.size, 32):
+                words[i] = words_in[i]
+            cuda.syncthreads()
+            s = cuda.local.array((2, 4), float32)
+            acc = cuda.local.array((2, 4), float32)
+            for i in range(2):
+                for e in range(4):
+                    s[i, e], acc[i, e] = x[lane, i, e], float32(0.0)
+            pv(words, 0, s, acc, lane)
+            for i in range(2):
+                for e in range(4):
+                    out[lane, i, e] = acc[i, e]
+
+        out = np.zeros((32, 2, 4), np.float32)
+        kernel[1, 32](words_in, x, out)
+        return out
+
+    # lane (g, t) holds X[g + 8 (e // 2), 2 t + e % 2 + 8 i] (A fragments, keys 8 i ..)
+    X = np.zeros((16, keys))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for i in range(2):
+            for e in range(4):
+                X[g + 8 * (e // 2), 2 * t + e % 2 + 8 * i] = x[lane, i, e]
+    want = X @ v.astype(np.float64)
+    scale = np.abs(want).max()
+
+    def error(out):
+        got = np.zeros((16, 16))
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for i in range(2):
+                for e in range(4):
+                    got[g + 8 * (e // 2), 2 * t + e % 2 + 8 * i] = out[lane, i, e]
+        return np.abs(got - want).max() / scale
+
+    assert error(run(True)) < 2.0**-21
+    assert error(run(False)) > 2.0**-14  # the constant scale (here 1): subnormal halves

@@ -99,7 +99,7 @@ def test_flash_attention_takes_the_kernel_by_name():
 @pytest.mark.parametrize("dtype,D,options,want,phrase", [
     ("float16", 64, {}, "mma", "16-bit inputs"),
     ("bfloat16", 128, dict(causal="top_left"), "mma", "16-bit inputs"),
-    ("float32", 64, {}, "simt", "precision 'highest' (the default) is full float32"),
+    ("float32", 64, {}, "simt", "fewer than 64 query rows (decoding)"),
     ("float32", 64, dict(precision="high"), "simt", "fewer than 64 query rows (decoding)"),
     ("float32", 72, dict(mask=np.ones((4, 4), bool), precision="high"), "simt",
      "float32 with a mask"),
@@ -116,23 +116,29 @@ def test_auto_takes_the_tensor_core_kernel_where_it_applies_and_says_why_not(
     q = np.zeros((1, 1, 4, D), numpy_dtype(dtype))
     kernel, why, precision = kernel_plan(q, q, q, kernel="auto", **options)
     assert kernel == want and phrase in why, (kernel, why)
-    assert precision == ("high" if kernel == "mma" and dtype == "float32" else "highest")
+    assert precision == options.get("precision", "highest") if kernel == "mma" and \
+        dtype == "float32" else precision == "highest"
 
 
-def test_float32_is_full_float32_unless_precision_high_is_asked_for():
-    """The default runs float32 on the SIMT kernel (precision "highest"); "high" takes the
-    tensor cores as float16 halves (halves.py) where verify certifies the pair: no mask or
-    bias, 64 query rows or more (plan.float32_why_not)."""
+def test_float32_takes_the_tensor_cores_at_either_precision_summed_at_highest():
+    """float32 takes the tensor cores as float16 halves (halves.py) where verify certifies
+    the pair: no mask or bias, 64 query rows or more (plan.float32_why_not); at "highest"
+    (the default) the variants that sum each step's products apart, at "high" mma.sync's
+    own sums. The precision is the plan's, and kernel="mma" runs at the one asked for."""
     q = np.zeros((1, 2, 64, 72), np.float32)
-    assert kernel_plan(q, q, q)[::2] == ("simt", "highest")
+    assert kernel_plan(q, q, q) == (
+        "mma", "float32 inputs it takes, as float16 halves (precision 'highest': each "
+        "step's products summed apart)", "highest")
     assert kernel_plan(q, q, q, precision="high") == (
-        "mma", "float32 inputs it takes, as float16 halves (precision 'high')", "high")
-    assert kernel_plan(q[:, :, :63], q, q, precision="high")[0] == "simt"
-    assert kernel_plan(q, q, q, bias=np.zeros((64, 64), np.float32),
-                       precision="high")[0] == "simt"
-    assert kernel_plan(q, q, q, kernel="mma")[::2] == ("mma", "high")
-    with pytest.raises(ValueError, match="precision='highest' asks for full float32"):
-        kernel_plan(q, q, q, kernel="mma", precision="highest")
+        "mma", "float32 inputs it takes, as float16 halves (precision 'high': mma.sync's own "
+        "sums)", "high")
+    for precision in ("highest", "high"):
+        assert kernel_plan(q[:, :, :63], q, q, precision=precision)[0] == "simt"
+        assert kernel_plan(q, q, q, bias=np.zeros((64, 64), np.float32),
+                           precision=precision)[0] == "simt"
+        assert kernel_plan(q, q, q, kernel="mma", precision=precision)[::2] == (
+            "mma", precision)
+    assert kernel_plan(q, q, q, kernel="mma")[::2] == ("mma", "highest")
     with pytest.raises(ValueError, match="precision must be one of"):
         kernel_plan(q, q, q, precision="medium")
 
@@ -142,10 +148,10 @@ def test_torch_tensors_take_torchs_float32_matmul_precision():
     q = torch.zeros((1, 2, 64, 72))
     before = torch.get_float32_matmul_precision()
     try:
-        for setting, want in (("highest", "simt"), ("high", "mma"), ("medium", "mma")):
+        for setting, want in (("highest", "highest"), ("high", "high"), ("medium", "high")):
             torch.set_float32_matmul_precision(setting)
-            assert kernel_plan(q, q, q)[0] == want, setting
-            assert kernel_plan(q, q, q, precision="highest")[0] == "simt"
+            assert kernel_plan(q, q, q)[::2] == ("mma", want), setting
+            assert kernel_plan(q, q, q, precision="highest").precision == "highest"
     finally:
         torch.set_float32_matmul_precision(before)
 
@@ -250,7 +256,7 @@ def test_precision_high_never_trades_the_range():
     assert "row 0 of (batch 0, head 1) of k holds values 2^20 below the tensor's largest" \
         in plan.why
     with pytest.raises(ValueError, match="kernel='mma': float32 at precision 'high'"):
-        kernel_plan(q, k, k, kernel="mma")
+        kernel_plan(q, k, k, kernel="mma", precision="high")
     k[0, 1] = 2.0**-15  # within the range
     assert kernel_plan(q, k, k, precision="high").kernel == "mma"
     k[0, 1] = 0.0  # zeros are exact
@@ -261,6 +267,27 @@ def test_precision_high_never_trades_the_range():
     assert "row 5 of (batch 0, head 0) of v" in kernel_plan(q, q, v, precision="high").why
     for top in (2.0**-50, 2.0**50):  # the scales' products would leave float32's range
         assert "outside the 2^-48 .. 2^48" in kernel_plan(q * top, q, q, precision="high").why
+
+
+def test_precision_highest_keeps_rows_within_2_to_the_12():
+    """At "highest" a row's largest value may lie 2^12 below its tensor's largest on the
+    halves (plan.HALVES_RANGE: past that their error grows past a float32 kernel's), at
+    "high" 2^16: between the two the default runs the SIMT kernel and "high" the halves."""
+    q = np.ones((1, 2, 64, 72), np.float32)
+    k = q.copy()
+    k[0, 1] = 2.0**-13
+    plan = kernel_plan(q, k, k)
+    assert plan == ("simt", "the tensor-core kernel does not apply: float32 at precision "
+                    "'highest': row 0 of (batch 0, head 1) of k holds values 2^13 below the "
+                    "tensor's largest, past the 2^12 that float16 halves with one scale per "
+                    "tensor hold at that precision (halves.py)", "highest")
+    assert kernel_plan(q, k, k, precision="high").kernel == "mma"
+    with pytest.raises(ValueError, match="kernel='mma': float32 at precision 'highest'"):
+        kernel_plan(q, k, k, kernel="mma")
+    k[0, 1] = 2.0**-12
+    assert kernel_plan(q, k, k) == ("mma", "float32 inputs it takes, as float16 halves "
+                                    "(precision 'highest': each step's products summed "
+                                    "apart)", "highest")
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="scripts/gpu_verify.sh certifies it on the GPU")
@@ -274,8 +301,8 @@ def test_precision_high_passes_heads_far_apart_and_the_halves_alone_do_not(monke
                 dtype="float32", values="heads-held")
     impl = load("numba-mma-backward")
     assert run_case(impl, case, seed=0).verdict == "pass"
-    monkeypatch.setattr(plan, "halves_range_why_not", lambda named: None)
+    monkeypatch.setattr(plan, "halves_range_why_not", lambda named, precision: None)
     monkeypatch.setattr(impl, "fn", lambda q, k, v, **options: api.flash_attention(
-        q, k, v, kernel="mma", **options))
+        q, k, v, kernel="mma", precision="high", **options))
     result = run_case(impl, case, seed=0)
     assert result.verdict == "fail" and "mismatched" in result.detail, result.detail

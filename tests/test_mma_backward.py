@@ -73,9 +73,9 @@ def test_auto_runs_the_tensor_core_kernels_for_16_bit_inputs(monkeypatch):
 
 def test_auto_runs_the_tuned_kernels_where_the_tensor_cores_do_not_apply(monkeypatch):
     assert _kernel_run(monkeypatch, *_inputs("float32")) == ["tuned"]  # as the forward's auto
-    assert _kernel_run(monkeypatch, *_inputs("float32", n=64)) == ["tuned"]  # "highest"
+    assert _kernel_run(monkeypatch, *_inputs("float32", n=64)) == ["mma"]  # (a full tile)
     assert _kernel_run(monkeypatch, *_inputs("float32", n=64),
-                       precision="high") == ["mma"]  # (a full tile)
+                       precision="high") == ["mma"]
     assert _kernel_run(monkeypatch, *_inputs("float32"), kernel="mma") == ["mma"]  # halves
     assert _kernel_run(monkeypatch, *_inputs(d=12)) == ["tuned"]
     mask = np.ones((10, 10), bool)
@@ -100,19 +100,26 @@ def _parts_launched(monkeypatch, *args, **options):
 
 def test_float32_makes_dk_and_dv_apart_where_dkdv_has_no_registers_for_dvs_sums(monkeypatch):
     """flash_mma_bwd.kv_parts: dV's step sums (halves.mma_halves_summed) spill in dkdv above
-    head dims of 64 or with a mask (float32 only); the gate compiles what ships."""
+    head dims of 64, with a mask, or with every product summed (precision "highest"; float32
+    only); the gate compiles what ships."""
     both = [(p, n) for p in ("dk", "dv", "dq") for n in (False, True)]
-    assert _parts_launched(monkeypatch, *_inputs("float32", d=72)) == both
     mask = np.ones((10, 10), bool)
-    assert _parts_launched(monkeypatch, *_inputs("float32", d=64), mask=mask) == both
-    assert _parts_launched(monkeypatch, *_inputs("float32", d=64)) == \
+    for precision in ("high", "highest"):
+        assert _parts_launched(monkeypatch, *_inputs("float32", d=72),
+                               precision=precision) == both
+        assert _parts_launched(monkeypatch, *_inputs("float32", d=64), mask=mask,
+                               precision=precision) == both
+    assert _parts_launched(monkeypatch, *_inputs("float32", d=64)) == both
+    assert _parts_launched(monkeypatch, *_inputs("float32", d=64), precision="high") == \
         [(p, n) for p in ("dkdv", "dq") for n in (False, True)]
     assert _parts_launched(monkeypatch, *_inputs("float16", d=72), mask=mask) == \
         [(p, n) for p in ("dkdv", "dq") for n in (False, True)]
-    shipped = {(s.part, s.d, s.dv, s.has_mask) for s in mma_bwd_specs()
+    shipped = {(s.part, s.d, s.dv, s.has_mask, s.summed) for s in mma_bwd_specs()
                if getattr(s, "dtype", None) == "float32"}
-    assert {("dk", 128, 128, False), ("dv", 64, 64, True), ("dkdv", 64, 64, False)} <= shipped
-    assert not {("dkdv", 128, 128, False), ("dkdv", 64, 64, True)} & shipped
+    assert {("dk", 128, 128, False, False), ("dv", 64, 64, True, False),
+            ("dkdv", 64, 64, False, False), ("dk", 64, 64, False, True)} <= shipped
+    assert not {("dkdv", 128, 128, False, False), ("dkdv", 64, 64, True, False),
+                ("dkdv", 64, 64, False, True)} & shipped
 
 
 @pytest.mark.long

@@ -7,10 +7,12 @@ what it claims; cases that need anything else are reported "not claimed", not fa
 
 Built-in adapters (imported lazily, by name): reference, numba, numba-plain,
 numba-tuned-backward (numba's forward, gradients from numba_kernels/flash_bwd.py: what
-flash_attention runs for float32 by default, precision "highest"), numba-mma-backward
-(float32 on the tensor cores as float16 halves, forward and gradients: flash_mma.py and
-flash_mma_bwd.py with kernel="mma", what "auto" runs for float32 at precision "high" from 64
-query rows without a mask or bias), numba-mma (the tensor-core kernels alone:
+flash_attention runs for float32 by default where the tensor cores do not apply),
+numba-mma-highest (float32 on the tensor cores as float16 halves, each step's products
+summed apart, forward and gradients: flash_mma.py and flash_mma_bwd.py with kernel="mma",
+what "auto" runs for float32 by default, precision "highest", from 64 query rows without a
+mask or bias), numba-mma-backward (the same at precision "high", mma.sync's own sums),
+numba-mma (the tensor-core kernels alone:
 flash_mma.py's forward, flash_mma_bwd.py's backward), torch-math, torch-efficient,
 torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn. Each states the
 conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
@@ -230,7 +232,8 @@ class Implementation:
 
 
 BUILTIN_NAMES = ("reference", "numba", "numba-plain", "numba-tuned-backward",
-                 "numba-mma-backward", "numba-mma", "torch-math", "torch-efficient",
+                 "numba-mma-backward", "numba-mma-highest", "numba-mma", "torch-math",
+                 "torch-efficient",
                  "torch-flash", "torch-cudnn", "flash-attn", "jax-xla", "jax-cudnn")
 
 
@@ -238,7 +241,9 @@ def builtin(name):
     """A built-in adapter by name (BUILTIN_NAMES; the module docstring says what each is)."""
     factories = {"reference": _reference, "numba": _numba, "numba-plain": lambda: _numba(True),
                  "numba-tuned-backward": lambda: _numba(backward_kernel="tuned"),
-                 "numba-mma-backward": lambda: _numba(backward_kernel="mma"),
+                 "numba-mma-backward": lambda: _numba(backward_kernel="mma",
+                                                      precision="high"),
+                 "numba-mma-highest": lambda: _numba(backward_kernel="mma"),
                  "numba-mma": _numba_mma,
                  "flash-attn": _flash_attn}
     for backend in ("math", "efficient", "flash", "cudnn"):
@@ -287,23 +292,25 @@ def _reference():
                           version="float64, flash-conformance", grad=grad)
 
 
-def _numba(plain=False, backward_kernel="plain"):
+def _numba(plain=False, backward_kernel="plain", precision="highest"):
     """Our tuned SIMT kernel (flash_attention(kernel="simt"): the tensor-core kernel that
     kernel="auto" picks for 16-bit inputs is numba-mma), or (plain) the plain one of
     numba_kernels/plain_fwd.py; gradients from the backward kernels `backward_kernel`
     (flash_attention_backward's kernel=). backward_kernel "mma" (float32 alone) takes the
-    tensor-core forward too: the backward's scores are then the forward's."""
+    tensor-core forward too, at `precision`: the backward's scores are then the
+    forward's."""
     from numba_kernels import (SIMULATOR, flash_attention, flash_attention_backward,
                                halves_range_why_not, plain_attention)
 
     def halves(**named):  # "mma" (float32 as halves) where their range holds the values
-        return "mma" if halves_range_why_not(named) is None else "simt"
+        return "mma" if halves_range_why_not(named, precision) is None else "simt"
 
     def attention(q, k, v, **options):
         if plain:
             return plain_attention(q, k, v, **options)
         return flash_attention(q, k, v, kernel=halves(q=q, k=k, v=v)
-                               if backward_kernel == "mma" else "simt", **options)
+                               if backward_kernel == "mma" else "simt", precision=precision,
+                               **options)
 
     def fn(q, k, v, **options):
         return attention(q, k, v, **options)
@@ -312,8 +319,9 @@ def _numba(plain=False, backward_kernel="plain"):
         out, lse = attention(q, k, v, return_lse=True, **options)
         kernel = backward_kernel
         if kernel == "mma" and halves(q=q, k=k, v=v, dout=dout) != "mma":
-            kernel = "tuned"  # what precision="high" runs there
-        return flash_attention_backward(q, k, v, out, lse, dout, kernel=kernel, **options)
+            kernel = "tuned"  # what "auto" runs there
+        return flash_attention_backward(q, k, v, out, lse, dout, kernel=kernel,
+                                        precision=precision, **options)
 
     def warm(backward=False, say=None):
         forward = "plain" if plain else "mma" if backward_kernel == "mma" else "simt"
@@ -324,6 +332,7 @@ def _numba(plain=False, backward_kernel="plain"):
     # head) alone may be split where the batch is not: equal within the bound, not bitwise.
     # The plain kernel never splits.
     name = "numba-plain" if plain else "numba" if backward_kernel == "plain" else \
+        "numba-mma-highest" if precision == "highest" and backward_kernel == "mma" else \
         f"numba-{backward_kernel}-backward"
     # float32 on the tensor cores (float16 halves): head dims as flash_mma's, no mask or bias
     # (they take them only up to 64); the 16-bit kernels are numba-mma's
@@ -331,12 +340,15 @@ def _numba(plain=False, backward_kernel="plain"):
                   bias=False) if backward_kernel == "mma" else {}
     # the simulator emulates each warp instruction of the tensor-core kernels with 32 threads
     slow = dict(timeout_s=900.0) if backward_kernel == "mma" and not on_gpu else {}
-    precision = ("float32 as float16 halves, one scale per tensor, where their range holds "
-                 "every head (else full float32): precision 'high'"
-                 if backward_kernel == "mma" else "float32")
+    arithmetic = "float32"
+    if backward_kernel == "mma":
+        arithmetic = ("float32 as float16 halves, one scale per tensor, where their range holds "
+                      f"every head (else the SIMT kernels): precision {precision!r}, "
+                      + ("each 16-term step's products summed apart, added in float32"
+                         if precision == "highest" else "mma.sync's own sums"))
     return Implementation(name, fn,
                           Supports(batch_invariant=plain or not on_gpu, backward=True,
-                                   **limits), precision=precision,
+                                   **limits), precision=arithmetic,
                           array="torch" if on_gpu else "numpy",
                           device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
