@@ -145,47 +145,78 @@ def halves_range_why_not(named, precision="high"):
     which a head or a key whose values are small beside the others' cannot afford; or a
     tensor whose largest |x| lies outside 2^-HALVES_SPAN .. 2^HALVES_SPAN, whose scales'
     products would leave float32's range. Reads every element once (on the device for
-    torch and CuPy, one small copy back)."""
+    torch and CuPy, three numbers a tensor copied back)."""
     top_range = HALVES_RANGE[precision]
     for name, x in named.items():
         top = row_maxima(x)
         if name == "dout":
-            top = top.max(axis=2, keepdims=True)
-        largest = float(top.max(initial=0.0))
+            top = top.amax(dim=2, keepdim=True) if hasattr(top, "detach") else \
+                top.max(axis=2, keepdims=True)
+        largest, first_low, low_top = range_summary(top, top_range)
         if largest and not 2.0**-HALVES_SPAN <= largest <= 2.0**HALVES_SPAN:
             return (f"float32 at precision {precision!r}: the largest value of {name} is "
                     f"2^{np.log2(largest):.0f}, outside the 2^-{HALVES_SPAN} .. "
                     f"2^{HALVES_SPAN} that float16 halves with one scale per tensor hold")
-        low = (top > 0) & (top < largest * 2.0**-top_range)
-        if low.any():
-            b, h, r = np.unravel_index(int(np.argmax(low)), top.shape)
-            gap = np.log2(largest / top[b, h, r])
+        if first_low is not None:
+            b, h, r = np.unravel_index(first_low, tuple(top.shape))
             where = f"(batch {b}, head {h})" if name == "dout" else \
                 f"row {r} of (batch {b}, head {h})"
             return (f"float32 at precision {precision!r}: {where} of {name} holds values "
-                    f"2^{gap:.0f} below the tensor's largest, past the "
-                    f"2^{top_range} that float16 halves with one scale per tensor hold "
+                    f"2^{np.log2(largest / low_top):.0f} below the tensor's largest, past "
+                    f"the 2^{top_range} that float16 halves with one scale per tensor hold "
                     f"at that precision (halves.py)")
     return None
 
 
 def row_maxima(x):
-    """(B, H, N) float64 NumPy: the largest finite |x| of each row of x (B, H, N, W)."""
-    shape = tuple(x.shape[:3])
-    if int(np.prod(x.shape)) == 0:
-        return np.zeros(shape)
+    """(B, H, N): the largest finite |x| of each row of x (B, H, N, W), float32, on the
+    device in x's own library for torch and CuPy, else NumPy."""
     if hasattr(x, "detach"):  # torch
         import torch
 
         x = x.detach()
-        return torch.where(torch.isfinite(x), x.abs(), 0).amax(dim=3).double().cpu().numpy()
+        if x.numel() == 0:
+            return torch.zeros(tuple(x.shape[:3]), device=x.device)
+        return torch.where(torch.isfinite(x), x.abs(), 0).amax(dim=3).float()
     if type(x).__module__.split(".")[0] == "cupy":
         import cupy
 
-        return cupy.where(cupy.isfinite(x), cupy.abs(x), 0).max(axis=3).astype(
-            np.float64).get()
+        if x.size == 0:
+            return cupy.zeros(tuple(x.shape[:3]), np.float32)
+        return cupy.where(cupy.isfinite(x), cupy.abs(x), 0).max(axis=3).astype(np.float32)
     x = x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
-    return np.where(np.isfinite(x), np.abs(x), 0).max(axis=3).astype(np.float64)
+    if x.size == 0:
+        return np.zeros(tuple(x.shape[:3]), np.float32)
+    return np.where(np.isfinite(x), np.abs(x), 0).max(axis=3).astype(np.float32)
+
+
+def range_summary(top, top_range):
+    """(largest, first, its value) of row maxima `top` (row_maxima's, any of its libraries):
+    the largest as a float, and the flat index of the first row whose largest lies more than
+    2^top_range below it (zeros do not count) with that row's largest, or (None, None). One
+    small copy to the host."""
+    if hasattr(top, "detach"):  # torch
+        import torch
+
+        if top.numel() == 0:
+            return 0.0, None, None
+        largest = top.amax()
+        low = ((top > 0) & (top < largest * 2.0**-top_range)).flatten()
+        first = torch.argmax(low.to(torch.uint8))
+        values = torch.stack([largest.double(), low[first].double(), first.double(),
+                              top.flatten()[first].double()]).tolist()
+    else:
+        xp = np if isinstance(top, np.ndarray) else __import__("cupy")
+        if top.size == 0:
+            return 0.0, None, None
+        largest = top.max()
+        low = ((top > 0) & (top < largest * np.float32(2.0**-top_range))).ravel()
+        first = xp.argmax(low)
+        values = xp.stack([largest.astype(np.float64), low[first].astype(np.float64),
+                           first.astype(np.float64),
+                           top.ravel()[first].astype(np.float64)]).tolist()
+    largest, any_low, first, low_top = values
+    return (largest, int(first), low_top) if any_low else (largest, None, None)
 
 
 def call_plan(pb, kernel, spec, has_mask, precision, named):
