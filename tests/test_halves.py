@@ -164,6 +164,34 @@ def test_the_model_of_the_h200s_sums_gives_the_probes_answers():
         assert (nearest == np.float32(h200)).all() == as_nearest  # the simulator's sums
 
 
+def _pv_one_warp(pv, words_in, s_in, acc_in):
+    """One warp of make_pv_halves's pv (16 keys, 16 columns of V: 12 words a row): the shared
+    tiles words_in, each lane's X fragments s_in and accumulator acc_in ((32, 2, 4) float32);
+    returns the lanes' accumulators after acc += X V."""
+    from numba_kernels.convert import float32, uint32
+
+    @cuda.jit
+    def kernel(words_in, s_in, acc_in, out):
+        words = cuda.shared.array(2 * 16 * 12, uint32)
+        lane = cuda.threadIdx.x
+        for i in range(lane, words_in.size, 32):
+            words[i] = words_in[i]
+        cuda.syncthreads()
+        s = cuda.local.array((2, 4), float32)
+        acc = cuda.local.array((2, 4), float32)
+        for i in range(2):
+            for e in range(4):
+                s[i, e], acc[i, e] = s_in[lane, i, e], acc_in[lane, i, e]
+        pv(words, 0, s, acc, lane)
+        for i in range(2):
+            for e in range(4):
+                out[lane, i, e] = acc[i, e]
+
+    out = np.zeros((32, 2, 4), np.float32)
+    kernel[1, 32](words_in, s_in, acc_in, out)
+    return out
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="a simulator test")
 def test_dvs_step_sums_keep_what_the_tensor_cores_cut(monkeypatch):
     """dV's products, each far below dV's ulp: the tensor cores (modelled as the H200 sums)
@@ -171,7 +199,6 @@ def test_dvs_step_sums_keep_what_the_tensor_cores_cut(monkeypatch):
     it is made from 0 first and added by a float32 add (mma_halves_summed, make_pv_halves
     SUMMED). acc = 1, 16 keys of P = 2^-12 and V = 819 2^-24: 1 + 1.6 ulp."""
     from numba_kernels import warp
-    from numba_kernels.convert import float32, uint32
 
     v_row, keys = 12, 16  # 16 columns of V and 8 of padding: 12 words a row
     lo_words = keys * v_row
@@ -180,28 +207,9 @@ def test_dvs_step_sums_keep_what_the_tensor_cores_cut(monkeypatch):
     words_in[:lo_words] = value  # hi tile; the lo tile is 0
 
     def run(summed):
-        pv = halves.make_pv_halves(16, v_row, lo_words, keys, summed)
-
-        @cuda.jit
-        def kernel(words_in, out):
-            words = cuda.shared.array(2 * 16 * 12, uint32)
-            lane = cuda.threadIdx.x
-            for i in range(lane, words_in.size, 32):
-                words[i] = words_in[i]
-            cuda.syncthreads()
-            s = cuda.local.array((2, 4), float32)
-            acc = cuda.local.array((2, 4), float32)
-            for i in range(2):
-                for e in range(4):
-                    s[i, e], acc[i, e] = float32(2.0**-12), float32(1.0)
-            pv(words, 0, s, acc, lane)
-            for i in range(2):
-                for e in range(4):
-                    out[lane, i, e] = acc[i, e]
-
-        out = np.zeros((32, 2, 4), np.float32)
-        kernel[1, 32](words_in, out)
-        return out
+        return _pv_one_warp(halves.make_pv_halves(16, v_row, lo_words, keys, summed),
+                            words_in, np.full((32, 2, 4), 2.0**-12, np.float32),
+                            np.ones((32, 2, 4), np.float32))
 
     one_and_two_ulp = np.float32(1 + 2.0**-22)  # 1 + 1.6 ulp, to nearest
     assert (run(True) == one_and_two_ulp).all() and (run(False) == one_and_two_ulp).all()
@@ -216,8 +224,6 @@ def test_row_scales_keep_small_rows_of_ds_to_22_bits():
     unscaled, values of 2^-20 fall into float16's subnormals and their halves keep a few bits;
     row_scales (make_pv_halves ROW_SCALED, precision "highest") takes each row to
     [2^13, 2^14) first and the product back after, to 22 bits. acc += X V for 16 keys."""
-    from numba_kernels.convert import float32, uint32
-
     v_row, keys = 12, 16  # 16 columns of V and 8 of padding: 12 words a row
     lo_words = keys * v_row
     rng = np.random.default_rng(0)
@@ -232,28 +238,8 @@ def test_row_scales_keep_small_rows_of_ds_to_22_bits():
         words_in[tile * lo_words:(tile + 1) * lo_words] = padded.view(np.uint32).ravel()
 
     def run(row_scaled):
-        pv = halves.make_pv_halves(16, v_row, lo_words, keys, True, row_scaled)
-
-        @cuda.jit
-        def kernel(words_in, x, out):
-            words = cuda.shared.array(2 * 16 * 12, uint32)
-            lane = cuda.threadIdx.x
-            for i in range(lane, words_in.size, 32):
-                words[i] = words_in[i]
-            cuda.syncthreads()
-            s = cuda.local.array((2, 4), float32)
-            acc = cuda.local.array((2, 4), float32)
-            for i in range(2):
-                for e in range(4):
-                    s[i, e], acc[i, e] = x[lane, i, e], float32(0.0)
-            pv(words, 0, s, acc, lane)
-            for i in range(2):
-                for e in range(4):
-                    out[lane, i, e] = acc[i, e]
-
-        out = np.zeros((32, 2, 4), np.float32)
-        kernel[1, 32](words_in, x, out)
-        return out
+        return _pv_one_warp(halves.make_pv_halves(16, v_row, lo_words, keys, True, row_scaled),
+                            words_in, x, np.zeros((32, 2, 4), np.float32))
 
     # lane (g, t) holds X[g + 8 (e // 2), 2 t + e % 2 + 8 i] (A fragments, keys 8 i ..)
     X = np.zeros((16, keys))
