@@ -104,13 +104,12 @@ def test_float32_makes_dk_and_dv_apart_where_dkdv_has_no_registers_for_dvs_sums(
     only); the gate compiles what ships."""
     both = [(p, n) for p in ("dk", "dv", "dq") for n in (False, True)]
     mask = np.ones((10, 10), bool)
+    wide, narrow = _inputs("float32", d=72), _inputs("float32", d=64)
     for precision in ("high", "highest"):
-        assert _parts_launched(monkeypatch, *_inputs("float32", d=72),
-                               precision=precision) == both
-        assert _parts_launched(monkeypatch, *_inputs("float32", d=64), mask=mask,
-                               precision=precision) == both
-    assert _parts_launched(monkeypatch, *_inputs("float32", d=64)) == both
-    assert _parts_launched(monkeypatch, *_inputs("float32", d=64), precision="high") == \
+        assert _parts_launched(monkeypatch, *wide, precision=precision) == both
+        assert _parts_launched(monkeypatch, *narrow, mask=mask, precision=precision) == both
+    assert _parts_launched(monkeypatch, *narrow) == both
+    assert _parts_launched(monkeypatch, *narrow, precision="high") == \
         [(p, n) for p in ("dkdv", "dq") for n in (False, True)]
     assert _parts_launched(monkeypatch, *_inputs("float16", d=72), mask=mask) == \
         [(p, n) for p in ("dkdv", "dq") for n in (False, True)]
