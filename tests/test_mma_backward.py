@@ -90,10 +90,13 @@ def test_auto_runs_the_tuned_kernels_where_the_tensor_cores_do_not_apply(monkeyp
 
 
 def _parts_launched(monkeypatch, *args, **options):
-    """The tensor-core backward kernels (part, nonfinite) a call launches (none run)."""
+    """The tensor-core backward kernels (part, nonfinite) a call launches (none run, nor the
+    halves' pre-pass)."""
     launched = []
     monkeypatch.setattr(backward, "launch", lambda kernel, spec, *a, **k: launched.append(
         (spec.part, spec.nonfinite)) if isinstance(spec, MmaBwdSpec) else None)
+    monkeypatch.setattr(backward, "halves_prepass", lambda io, named: (named, dict.fromkeys(
+        ("q_flags", "k_flags", "dout_flags", "factors"))))
     flash_attention_backward(*args, kernel="mma", **options)
     return launched
 
