@@ -5,8 +5,8 @@
 
 On the same inputs, in one run: our kernel (numba: the SIMT kernel; numba-mma: the tensor-core
 kernel, float32 as float16 halves at precision "high"; numba-mma-highest: float32 on it at
-precision "highest", the default), torch SDPA forced to each backend (flash, efficient, cudnn, math),
-and the fp32 (TF32 off) and bf16 matrix-product ceilings (torch). Shapes
+precision "highest", the default), torch SDPA forced to each backend (flash, efficient, cudnn,
+math), and the fp32 (TF32 off) and bf16 matrix-product ceilings (torch). Shapes
 (B, H, N, D) = (4, 16, N, 64) and (2, 16, N, 128), causal and not, per dtype; decoding shapes
 (Nq = 1, Nk up to 32768, B * H = 64), with and without split-KV. CUDA events, warm-up,
 median of repeats (about 0.3 s of repeats each, at least 3), inputs redrawn per shape: each

@@ -64,7 +64,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
 
 
 def _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, kernel,
-               precision="highest"):
+               precision):
     """(dq, dk, dv) of a checked call from the backward kernel `kernel` at `precision`,
     after the delta kernel (delta = rowsum(dout * out), minus dlse)."""
     has_mask = mask is not None or bias is not None

@@ -161,7 +161,7 @@ def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     return results(io, out, lse, return_lse)
 
 
-def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, summed=False):
+def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, summed):
     """The tensor-core kernel (flash_mma.py) into out and lse, split-KV merged: its fast
     variant, then its careful variant for the blocks the fast one deferred (a row that
     ended non-finite, or, float32, a Q or K tile holding a NaN or an inf; most often none,

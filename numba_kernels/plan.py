@@ -135,7 +135,7 @@ HALVES_WAY = {"high": "precision 'high': mma.sync's own sums",
               "highest": "precision 'highest': each step's products summed apart"}
 
 
-def halves_range_why_not(named, precision="high"):
+def halves_range_why_not(named, precision):
     """None, or why float16 halves with one scale per tensor (halves.py) would not hold the
     float32 tensors `named` ({name: (B, H, N, W) array of any kind}) at `precision`: a row
     (of a query, a key or a value; a head of dout, whose rows scale their own gradients

@@ -4,9 +4,10 @@
 
 IMPL: a built-in adapter (listed by --help) or MODULE:CALLABLE. Prints the report; writes
 the JSON certificate with --json. Progress goes to stderr: a line rewritten in place on a
-terminal, a line per case in a log, none with --quiet. --replay re-runs a certificate's failed cases with their seeds
-(against IMPL, or the implementation the certificate names). --backward certifies the
-gradients dq, dk, dv instead (through autograd or jax.vjp for torch and JAX implementations).
+terminal, a line per case in a log, none with --quiet. --replay re-runs a certificate's
+failed cases with their seeds (against IMPL, or the implementation the certificate names).
+--backward certifies the gradients dq, dk, dv instead (through autograd or jax.vjp for torch
+and JAX implementations).
 Exit code 0 only when the implementation passes; 2 for a bad command line.
 """
 import argparse

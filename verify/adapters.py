@@ -368,8 +368,9 @@ def _numba_costs():
 
 
 def _warm_kernels(forward, backward, say):
-    """Our kernels' variants that calls of `forward` and `backward` (numba_kernels.warm_variants) can
-    launch, compiled into the disk cache on every core (Implementation.warm)."""
+    """Our kernels' variants that calls of `forward` and `backward` can launch
+    (numba_kernels.warm_variants), compiled into the disk cache on every core
+    (Implementation.warm)."""
     from numba_kernels import warm_variants
 
     warm_variants(forward, backward, say=say)
