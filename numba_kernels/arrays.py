@@ -10,7 +10,7 @@ from reference.dtypes import TRANSPORT, dtype_name, numpy_dtype, torch_dtype, tr
 from .common import LOG2E
 from .convert import SIMULATOR
 from . import replay
-from .plan import range_summary, row_maxima
+from .plan import row_extremes, row_maxima
 from .specs import DTYPES, MAX_HEAD_DIM
 
 
@@ -54,8 +54,8 @@ def check_score_range(pb, q, k):
     pass float32's largest value (D max|q| max|k| |scale| log2(e) does): the contract does not
     ask kernels for scores past float32, and the NaN they would give is a silent wrong answer.
     Reads q and k once (begin calls it for |scale| > 1 only)."""
-    bound = pb.d * abs(pb.scale) * LOG2E * range_summary(row_maxima(q), 0)[0] \
-        * range_summary(row_maxima(k), 0)[0]
+    (q_top, _), (k_top, _) = row_extremes([row_maxima(q), row_maxima(k)])
+    bound = pb.d * abs(pb.scale) * LOG2E * q_top * k_top
     if bound >= FLOAT32_MAX:
         raise ValueError(f"scale={pb.scale:g}: with max|q| and max|k| of these inputs the "
                          f"scores can pass float32's range ({bound:.3g} in log2 units against "

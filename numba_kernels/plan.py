@@ -3,6 +3,7 @@
 tensor-core kernels: halves_summed), and where the tensor cores' float16 halves cannot hold
 the values. One choice for both passes, so that the backward's
 scores are the forward's."""
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -144,21 +145,22 @@ def halves_range_why_not(named, precision):
     float16's subnormals (hi + lo keep fewer bits), and 2^30 below nothing of them is left,
     which a head or a key whose values are small beside the others' cannot afford; or a
     tensor whose largest |x| lies outside 2^-HALVES_SPAN .. 2^HALVES_SPAN, whose scales'
-    products would leave float32's range. Reads every element once (on the device for
-    torch and CuPy, three numbers a tensor copied back)."""
+    products would leave float32's range. Two passes over each tensor (on the device for
+    torch and CuPy, two numbers a tensor copied back, in one copy: row_extremes)."""
     top_range = HALVES_RANGE[precision]
-    for name, x in named.items():
-        top = row_maxima(x)
-        if name == "dout":
-            top = top.amax(dim=2, keepdim=True) if hasattr(top, "detach") else \
-                top.max(axis=2, keepdims=True)
-        largest, first_low, low_top = range_summary(top, top_range)
+    tops = [row_maxima(x) for x in named.values()]
+    if "dout" in named:  # a head's largest, (B, H, 1)
+        at = list(named).index("dout")
+        tops[at] = tops[at].amax(dim=2, keepdim=True) if hasattr(tops[at], "detach") else \
+            tops[at].max(axis=2, keepdims=True)
+    for name, top, (largest, lowest) in zip(named, tops, row_extremes(tops)):
         if largest and not 2.0**-HALVES_SPAN <= largest <= 2.0**HALVES_SPAN:
             return (f"float32 at precision {precision!r}: the largest value of {name} is "
                     f"2^{np.log2(largest):.0f}, outside the 2^-{HALVES_SPAN} .. "
                     f"2^{HALVES_SPAN} that float16 halves with one scale per tensor hold")
-        if first_low is not None:
-            b, h, r = np.unravel_index(first_low, tuple(top.shape))
+        if lowest < largest * 2.0**-top_range:
+            first, low_top = first_below(top, largest * 2.0**-top_range)
+            b, h, r = np.unravel_index(first, tuple(top.shape))
             where = f"(batch {b}, head {h})" if name == "dout" else \
                 f"row {r} of (batch {b}, head {h})"
             return (f"float32 at precision {precision!r}: {where} of {name} holds values "
@@ -177,46 +179,54 @@ def row_maxima(x):
         x = x.detach()
         if x.numel() == 0:
             return torch.zeros(tuple(x.shape[:3]), device=x.device)
-        return torch.where(torch.isfinite(x), x.abs(), 0).amax(dim=3).float()
+        # two passes over x (nan_to_num, then a max-norm): isfinite, where, abs and amax
+        # were six, 1.3 ms of a 12.6 ms call at (2, 16, 8192, 128) on the H200
+        finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        return torch.linalg.vector_norm(finite, ord=float("inf"), dim=3).float()
     if type(x).__module__.split(".")[0] == "cupy":
         import cupy
 
         if x.size == 0:
             return cupy.zeros(tuple(x.shape[:3]), np.float32)
-        return cupy.where(cupy.isfinite(x), cupy.abs(x), 0).max(axis=3).astype(np.float32)
+        finite = cupy.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        return cupy.abs(finite).max(axis=3).astype(np.float32)
     x = x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
     if x.size == 0:
         return np.zeros(tuple(x.shape[:3]), np.float32)
     return np.where(np.isfinite(x), np.abs(x), 0).max(axis=3).astype(np.float32)
 
 
-def range_summary(top, top_range):
-    """(largest, first, its value) of row maxima `top` (row_maxima's, any of its libraries):
-    the largest as a float, and the flat index of the first row whose largest lies more than
-    2^top_range below it (zeros do not count) with that row's largest, or (None, None). One
-    small copy to the host."""
-    if hasattr(top, "detach"):  # torch
+def row_extremes(tops):
+    """[(largest, smallest above 0)] of each of the row maxima `tops` (row_maxima's, all of
+    one library), as floats ((0.0, inf) where none is above 0). One small copy to the host
+    for them all, after four reductions a tensor: each copy waits for the device, and on a
+    GPU each small operation costs the host more than the device."""
+    if not tops:
+        return []
+    if hasattr(tops[0], "detach"):  # torch
         import torch
 
-        if top.numel() == 0:
-            return 0.0, None, None
-        largest = top.amax()
-        low = ((top > 0) & (top < largest * 2.0**-top_range)).flatten()
-        first = torch.argmax(low.to(torch.uint8))
-        values = torch.stack([largest.double(), low[first].double(), first.double(),
-                              top.flatten()[first].double()]).tolist()
+        xp, empty = torch, lambda t: t.new_zeros(1)
     else:
-        xp = np if isinstance(top, np.ndarray) else __import__("cupy")
-        if top.size == 0:
-            return 0.0, None, None
-        largest = top.max()
-        low = ((top > 0) & (top < largest * np.float32(2.0**-top_range))).ravel()
-        first = xp.argmax(low)
-        values = xp.stack([largest.astype(np.float64), low[first].astype(np.float64),
-                           first.astype(np.float64),
-                           top.ravel()[first].astype(np.float64)]).tolist()
-    largest, any_low, first, low_top = values
-    return (largest, int(first), low_top) if any_low else (largest, None, None)
+        xp = np if isinstance(tops[0], np.ndarray) else __import__("cupy")
+        empty = lambda t: xp.zeros(1, t.dtype)  # noqa: E731
+    values = []
+    for top in tops:
+        top = top.reshape(-1) if math.prod(top.shape) else empty(top)
+        values += [top.max(), xp.where(top > 0, top, np.inf).min()]
+    found = xp.stack(values).tolist()
+    return [(found[i], found[i + 1]) for i in range(0, len(found), 2)]
+
+
+def first_below(top, bound):
+    """(flat index, value) of the first of the row maxima `top` above 0 and below `bound`, or
+    None (a copy to the host: for the message where the range check refuses)."""
+    flat = top.reshape(-1)
+    low = (flat > 0) & (flat < bound)
+    if not bool(low.any()):
+        return None
+    first = int(low.nonzero()[0][0])  # torch's (n, 1) and NumPy's tuple alike
+    return first, float(flat[first])
 
 
 def call_plan(pb, kernel, spec, has_mask, precision, named):

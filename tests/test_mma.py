@@ -308,21 +308,39 @@ def test_precision_high_passes_heads_far_apart_and_the_halves_alone_do_not(monke
     assert result.verdict == "fail" and "mismatched" in result.detail, result.detail
 
 
-def test_the_range_check_reads_back_three_numbers_a_tensor():
+def test_the_range_check_reads_back_two_numbers_a_tensor_in_one_copy(monkeypatch):
     """halves_range_why_not keeps torch's row maxima in torch (on the device on a GPU: a
     (B, H, N) copy to the host cost 3-5 ms a call on the H200) and brings back the largest,
-    the first row past the range and its value; the same answers as NumPy's."""
+    the first row past the range and its value, for all its tensors in one copy (each copy
+    waits for the device); the same answers as NumPy's."""
     torch = pytest.importorskip("torch")
-    from numba_kernels.plan import range_summary, row_maxima
+    from numba_kernels import plan
+    from numba_kernels.plan import first_below, row_extremes, row_maxima
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 3, 40, 8)).astype(np.float32)
     x[1, 2, 7] *= 2.0**-20
     x[0, 0, 3, 1] = np.inf
+    x[0, 1, 5, 2], x[1, 0, 9, 0] = -np.inf, np.nan
+    x[1, 1, 11] = [np.nan, -np.inf, np.inf, 0, 0, 0, 0, 0]
     top = row_maxima(torch.from_numpy(x))
     assert isinstance(top, torch.Tensor) and top.shape == (2, 3, 40)
-    largest, first, value = range_summary(top, 16)
-    assert (largest, first, value) == range_summary(row_maxima(x), 16)
-    assert first == np.ravel_multi_index((1, 2, 7), (2, 3, 40))
-    assert largest == np.abs(x[np.isfinite(x)]).max() and value == np.abs(x[1, 2, 7]).max()
-    assert range_summary(top, 30)[1:] == (None, None)
+    empty = np.zeros((1, 2, 0), np.float32)
+    found = row_extremes([top, top[:, :, :7], torch.from_numpy(empty)])
+    assert found == row_extremes([row_maxima(x), row_maxima(x)[:, :, :7], empty])
+    (largest, lowest), _, nothing = found
+    assert largest == np.abs(x[np.isfinite(x)]).max() and nothing == (0.0, np.inf)
+    assert lowest == np.abs(x[1, 2, 7]).max()  # the all-zero row 11 does not count
+    for rows in (top, row_maxima(x)):
+        first, value = first_below(rows, largest * 2.0**-16)
+        assert first == np.ravel_multi_index((1, 2, 7), (2, 3, 40)) and value == lowest
+        assert first_below(rows, largest * 2.0**-30) is None
+    copies = []
+    monkeypatch.setattr(plan, "row_extremes",
+                        lambda tops: copies.append(len(tops)) or row_extremes(tops))
+    named = {name: torch.from_numpy(x) for name in ("q", "k", "v")}
+    assert "row 7 of (batch 1, head 2) of q" in plan.halves_range_why_not(named, "high")
+    x[1, 2, 7] *= 2.0**6  # 2^14 below now: within 2^16, past 2^12
+    assert plan.halves_range_why_not(named, "high") is None
+    assert "row 7 of (batch 1, head 2) of q" in plan.halves_range_why_not(named, "highest")
+    assert copies == [3, 3, 3]
