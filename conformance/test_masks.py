@@ -1,9 +1,11 @@
-"""Masks: all-false rows, a single visible key, the diagonal, kv_lengths of 0, 1 and Nk,
-windows of width 0 and 1, both causal alignments with Nq < Nk and Nq > Nk, and mixtures."""
+"""Masks: all-false rows, a single visible key, the diagonal, block-sparse masks, kv_lengths of
+0, 1 and Nk, windows of width 0 and 1, both causal alignments with Nq < Nk and Nq > Nk, and
+mixtures."""
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from verify.cases import BLOCK_MASKS
 from .strategies import assert_holds, cases, seeds
 
 
@@ -12,8 +14,11 @@ def _claims(impl, feature):
         pytest.skip(f"{impl.name} does not claim {feature}")
 
 
-@pytest.mark.parametrize("kind", ["empty-rows", "single-key", "diagonal", "random"])
+@pytest.mark.parametrize("kind", ["empty-rows", "single-key", "diagonal", "random",
+                                  *BLOCK_MASKS])
 def test_mask_kinds(impl, limits, kind):
+    """Each kind of mask, block-sparse ones (verify.cases.BLOCK_MASKS) included: a kernel
+    that skips tiles must give the dense masked result."""
     _claims(impl, "mask")
 
     @given(case=cases(impl, limits, mask=kind), seed=seeds())

@@ -8,6 +8,7 @@ import itertools
 
 import numpy as np
 
+from reference.blocks import FULL, PARTIAL, tile_classes
 from reference.contract import check_attention_args, dense_visible
 from reference.naive import weighted_values
 
@@ -44,7 +45,14 @@ BUGS = {  # bug: (a case that must fail, a phrase its failure must contain)
     "index-wrap": ("mask random [float32]", "mismatched"),
     "returns-out-only": ("shape 1x1 [float32]", "claims lse"),
     "aliases-input": ("shape 13x37 [float32]", "aliases"),
+    # block sparsity at tiles of SPARSE_TILE x SPARSE_TILE (reference/blocks.py): a tile
+    # partly visible skipped as if hidden, or read as if wholly visible; a wholly visible
+    # tile whose band (causal, window, kv_lengths) goes untested with its mask
+    "partial-tile-skipped": ("block-sparse blocks", "mismatched"),
+    "partial-tile-as-full": ("block-sparse ragged blocks", "mismatched"),
+    "full-tile-ignores-band": ("block-sparse dense + causal", "mismatched"),
 }
+SPARSE_TILE = 32
 # Kernels that pass the battery without the value families and layouts (verify.cases.VALUES,
 # EXPANDED) and fail one of them: bug: (dtypes claimed, a case that must fail, a phrase its
 # failure must contain)
@@ -126,7 +134,14 @@ def _forward(bug, q, k, v, scale, causal, mask, bias, kv_lengths, window):
         mask = _wrapped(mask, q.shape, k.shape)
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window)
+    if bug in ("partial-tile-skipped", "partial-tile-as-full") and mask is not None:
+        mask = np.asarray(mask)
+        classes = _pair_classes(mask)
+        mask = mask & (classes != PARTIAL) if bug == "partial-tile-skipped" else \
+            mask | (classes == PARTIAL)
     keep = dense_visible(pb, mask, kv_lengths)  # (B, 1 or Hq, Nq, Nk)
+    if bug == "full-tile-ignores-band" and mask is not None:
+        keep = keep | (_pair_classes(np.asarray(mask)) == FULL)
     if bug == "causal-off-by-one" and causal:
         keep = keep & ~np.eye(pb.n_q, pb.n_k, dtype=bool)
     full = (pb.batch, pb.heads_q, pb.n_q, pb.n_k)
@@ -152,6 +167,13 @@ def _forward(bug, q, k, v, scale, causal, mask, bias, kv_lengths, window):
     if bug == "lse-log2":
         lse = lse / np.float32(np.log(2.0))
     return out.astype(q.dtype), lse.astype(np.float32)
+
+
+def _pair_classes(mask):
+    """Each pair's tile class (SKIP, PARTIAL, FULL) at tiles of SPARSE_TILE, mask's shape."""
+    classes = tile_classes(mask, SPARSE_TILE, SPARSE_TILE)
+    pairs = classes.repeat(SPARSE_TILE, axis=-2).repeat(SPARSE_TILE, axis=-1)
+    return pairs[..., :mask.shape[-2], :mask.shape[-1]]
 
 
 def _quantized(bug, x, name):

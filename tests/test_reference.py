@@ -232,3 +232,32 @@ def test_sampled_rows_equal_the_whole():
         assert_same(part_lse, lse[:, :, rows], 0)
     with pytest.raises(ValueError, match="rows must be increasing"):
         R.attention(q, k, v, rows=[3, 2])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 40), st.integers(0, 40), st.integers(1, 9), st.integers(1, 9),
+       st.sampled_from([0.0, 0.3, 0.9, 1.0]), st.integers(0, 2**31))
+def test_tile_classes_say_which_tiles_hold_visible_pairs(n_q, n_k, block_m, block_n, p, seed):
+    """reference.blocks.tile_classes against a loop over the tiles: SKIP where no pair of a
+    tile is visible, FULL where every pair inside the plane is, PARTIAL between (edge tiles
+    judged on their pairs inside the plane)."""
+    from reference.blocks import FULL, PARTIAL, SKIP, tile_classes
+
+    keep = np.random.default_rng(seed).random((2, n_q, n_k)) < p
+    classes = tile_classes(keep, block_m, block_n)
+    assert classes.shape == (2, -(-n_q // block_m), -(-n_k // block_n))
+    assert classes.dtype == np.uint8
+    for b, i, j in np.ndindex(classes.shape):
+        tile = keep[b, i * block_m:(i + 1) * block_m, j * block_n:(j + 1) * block_n]
+        want = FULL if tile.all() else PARTIAL if tile.any() else SKIP
+        assert classes[b, i, j] == want, (b, i, j, tile)
+
+
+def test_tile_classes_refuse_what_they_cannot_read():
+    from reference.blocks import tile_classes
+
+    with pytest.raises(TypeError, match="keep must be a boolean array"):
+        tile_classes(np.ones((4, 4)), 2, 2)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="block_n must be a positive integer"):
+            tile_classes(np.ones((4, 4), bool), 2, bad)

@@ -82,6 +82,24 @@ def test_torch_math_cpu_passes():
         "NaN past kv_lengths"}
 
 
+def test_flex_attention_takes_block_sparse_masks_as_a_block_mask():
+    """torch-flex (FlexAttention, its eager path on a CPU: compiling costs a minute a shape
+    here) on the block-sparse cases, float32: the adapter's mask_mod, BlockMask and
+    score_mod say what the contract says. FlexAttention has no backward on a CPU: asking for
+    gradients there is refused by name, not failed case by case."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CPU test (on a GPU the adapter compiles; pytest -m gpu covers it)")
+    cases = [(c, i) for i, c in enumerate(battery("quick", ("float32",)))
+             if c.name.startswith("block-sparse") or c.name.startswith("bias + mask")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = verify.compare("torch-flex", progress=False, cases=cases)
+    assert len(report.cases) == 7 and report.passed, str(report)
+    with pytest.raises(ValueError, match="torch-flex has no backward pass"):
+        verify.compare("torch-flex", progress=False, cases=cases, backward=True)
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("shard", [0, 1])
 def test_numba_kernel_in_simulator_passes(shard):
@@ -461,7 +479,6 @@ def test_score_term_is_small_for_ordinary_scores():
 def test_score_term_counts_only_the_keys_that_carry_weight():
     """Keys with huge values and no weight (scores far below the row's largest) add nothing:
     the term stays at the scale of the values the rows average."""
-    from verify.cases import Case, make_inputs
     from verify.criterion import score_rounding
 
     import reference

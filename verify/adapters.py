@@ -14,7 +14,8 @@ what "auto" runs for float32 by default, precision "highest", from 64 query rows
 mask or bias), numba-mma-backward (the same at precision "high", mma.sync's own sums),
 numba-mma (the tensor-core kernels alone:
 flash_mma.py's forward, flash_mma_bwd.py's backward), torch-math, torch-efficient,
-torch-flash, torch-cudnn, flash-attn, jax-xla, jax-cudnn. Each states the
+torch-flash, torch-cudnn (PyTorch's SDPA backends), torch-flex (FlexAttention, with the
+case's mask as a BlockMask and bias as a score_mod), flash-attn, jax-xla, jax-cudnn. Each states the
 conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
 causal_lower_right), flash-attn's causal is bottom-right; neither returns lse from these
 entry points except flash-attn.
@@ -233,8 +234,8 @@ class Implementation:
 
 BUILTIN_NAMES = ("reference", "numba", "numba-plain", "numba-tuned-backward",
                  "numba-mma-backward", "numba-mma-highest", "numba-mma", "torch-math",
-                 "torch-efficient",
-                 "torch-flash", "torch-cudnn", "flash-attn", "jax-xla", "jax-cudnn")
+                 "torch-efficient", "torch-flash", "torch-cudnn", "torch-flex", "flash-attn",
+                 "jax-xla", "jax-cudnn")
 
 
 def builtin(name):
@@ -244,7 +245,7 @@ def builtin(name):
                  "numba-mma-backward": lambda: _numba(backward_kernel="mma",
                                                       precision="high"),
                  "numba-mma-highest": lambda: _numba(backward_kernel="mma"),
-                 "numba-mma": _numba_mma,
+                 "numba-mma": _numba_mma, "torch-flex": _torch_flex,
                  "flash-attn": _flash_attn}
     for backend in ("math", "efficient", "flash", "cudnn"):
         factories[f"torch-{backend}"] = lambda b=backend: _torch_sdpa(b)
@@ -456,6 +457,58 @@ def _torch_sdpa(backend):
                  nonfinite_hidden=False, batch_invariant=False),
         array="torch", device="cuda" if torch.cuda.is_available() else "cpu",
         version=f"torch {torch.__version__}",
+        precision=f"torch's float32 matmul precision "
+                  f"{torch.get_float32_matmul_precision()!r}")
+
+
+def _torch_flex():
+    """FlexAttention (torch.nn.attention.flex_attention), compiled by torch.compile on a GPU,
+    its eager path elsewhere. The case's visible pairs (band, kv_lengths, mask, a bias's -inf:
+    reference.contract.dense_visible) become one boolean tensor that a mask_mod reads and
+    create_block_mask turns into a BlockMask, so that blocks no row sees are skipped, as
+    FlexAttention's users do; a bias is a score_mod adding it in float32."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    on_gpu = torch.cuda.is_available()
+    run = torch.compile(flex_attention) if on_gpu else flex_attention
+
+    def fn(q, k, v, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
+           window=None, return_lse=False):
+        pb = check_attention_args(q, k, v, scale=scale, causal=causal, window=window,
+                                  mask=mask, bias=bias, kv_lengths=kv_lengths)
+        kw = dict(scale=pb.scale, enable_gqa=pb.group > 1, return_lse=return_lse)
+        if causal or window is not None or mask is not None or bias is not None \
+                or kv_lengths is not None:
+            keep = dense_visible(pb, mask, kv_lengths, xp=_TorchXP(q.device))
+            if bias is not None:
+                keep = keep & (bias != float("-inf"))
+            keep = keep.expand(pb.batch, keep.shape[1], pb.n_q, pb.n_k).contiguous()
+            heads = keep.shape[1]
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return keep[b, h if heads > 1 else 0, q_idx, kv_idx]
+
+            kw["block_mask"] = create_block_mask(mask_mod, pb.batch, heads if heads > 1
+                                                 else None, pb.n_q, pb.n_k, device=q.device)
+        if bias is not None:
+            added = bias.float().expand(pb.batch, pb.heads_q, pb.n_q, pb.n_k)
+
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score + added[b, h, q_idx, kv_idx]
+
+            kw["score_mod"] = score_mod
+        return run(q, k, v, **kw)
+
+    return Implementation(
+        "torch-flex", fn,
+        # Bitwise batch invariance is not promised (the compiled kernels' tiles and
+        # algorithms are chosen per problem size).
+        Supports(batch_invariant=False),
+        array="torch", device="cuda" if on_gpu else "cpu",
+        version=f"torch {torch.__version__}" + ("" if on_gpu else ", eager"),
+        timeout_s=300.0,  # a new shape is compiled at its first call
+        differentiable=on_gpu,  # FlexAttention has no backward on a CPU (torch 2.13)
         precision=f"torch's float32 matmul precision "
                   f"{torch.get_float32_matmul_precision()!r}")
 

@@ -53,6 +53,19 @@ LIMITS = {"float32": (52, 100), "bfloat16": (52, 100), "float16": (7, 13)}
 SUBNORMAL = {"float32": -135, "bfloat16": -130, "float16": -20}  # log2 of a subnormal value
 EXPANDED = {  # expanded: the axis of q, k and v given as a stride-0 view
     "batch": 0, "heads": 1, "sequence": 2}
+# Block-sparse masks: whole blocks of BLOCK x BLOCK pairs visible or hidden (as FlexAttention's
+# BlockMask describes them), smaller than any kernel's tile, so that a kernel's tile holds
+# several blocks: tiles wholly hidden (to skip), wholly visible (no mask to read) and partly
+# visible (the mask read pair by pair) in one call.
+BLOCK = 16
+BLOCK_MASKS = {  # mask: which blocks are visible
+    "blocks": "a quarter of the blocks at random, and every block on the diagonal",
+    "blocks-one": "one block in the middle: every other row sees nothing",
+    "blocks-empty-rows": "as blocks, with every other row of blocks wholly hidden",
+    "blocks-dense": "every block (a mask of ones, given as a mask)",
+    "blocks-ragged": "as blocks, each visible block without its last row and first column: "
+                     "partly visible at every tile's edges",
+}
 CHECKS = {  # check: what the runner does beyond one call
     "fresh-inputs": "new values written into the same buffers must give a new, correct answer",
     "batch-alone": "each (batch, head) computed alone must give the batched result",
@@ -78,7 +91,7 @@ class Case:
     dtype: str
     causal: object = False  # False, "top_left", "bottom_right"
     window: tuple = None
-    mask: str = None  # None, "random", "diagonal", "empty-rows", "single-key"
+    mask: str = None  # None, "random", "diagonal", "empty-rows", "single-key", BLOCK_MASKS
     kv_lengths: str = None  # None, "random", "edges" (0, 1 and Nk)
     values: str = "normal"  # VALUES
     strided: bool = False  # inputs are non-contiguous views
@@ -241,6 +254,8 @@ def _mask(case, rng):
     shape = heads[case.mask_shape] + (case.Nq, case.Nk)
     if case.sampled:  # billions of elements: rows drawn from PATTERNS random ones
         return _patterned(rng.random((PATTERNS, case.Nk)) < 0.6, shape)
+    if case.mask in BLOCK_MASKS:
+        return _block_mask(case.mask, rng, shape)
     if case.mask == "random":
         m = rng.random(shape) < 0.6
         m[..., rng.integers(0, case.Nk, case.Nq)] = True  # keep rows non-empty
@@ -257,6 +272,27 @@ def _mask(case, rng):
         m[:] = rng.random(shape) < 0.5
         m[..., ::3, :] = False
     return m
+
+
+def _block_mask(kind, rng, shape):
+    """A mask of shape (..., Nq, Nk) made of BLOCK x BLOCK blocks (BLOCK_MASKS[kind])."""
+    *lead, n_q, n_k = shape
+    rows, cols = -(-n_q // BLOCK), -(-n_k // BLOCK)
+    if kind == "blocks-dense":
+        return np.ones(shape, bool)
+    blocks = np.zeros((*lead, rows, cols), bool)
+    if kind == "blocks-one":
+        blocks[..., rows // 2, cols // 2] = True
+    else:
+        blocks[:] = rng.random(blocks.shape) < 0.25
+        blocks[..., np.arange(rows), np.arange(rows) * cols // rows] = True
+        if kind == "blocks-empty-rows":
+            blocks[..., ::2, :] = False
+    m = blocks.repeat(BLOCK, axis=-2).repeat(BLOCK, axis=-1)[..., :n_q, :n_k]
+    if kind == "blocks-ragged":
+        m[..., BLOCK - 1::BLOCK, :] = False
+        m[..., ::BLOCK] = False
+    return np.ascontiguousarray(m)
 
 
 def _bias(case, rng):
@@ -424,6 +460,7 @@ def battery(suite="quick", dtypes=KERNEL_DTYPES, max_head_dim=256):
     add("window (3, -1) + causal", Nq=N(40), Nk=N(45), window=(3, -1), causal="bottom_right")
     _scales(add, N)
     _masks_and_bias(add, N)
+    _block_sparse(add, N)
     add("kv_lengths random", kv_lengths="random", B=3, Nk=N(70))
     add("kv_lengths 0, 1, Nk", kv_lengths="edges", B=3, Nk=N(70), causal="bottom_right")
     add("mask + causal + kv_lengths", mask="random", causal="top_left", kv_lengths="random",
@@ -558,6 +595,20 @@ def _masks_and_bias(add, N):
     add("bias shared (1, 1, Nq, Nk)", bias="shared", Nq=N(33), Nk=N(40))
     add("bias + mask + kv_lengths", bias="random", mask="random", kv_lengths="random", B=3,
         Nq=N(30), Nk=N(40))
+
+
+def _block_sparse(add, N):
+    """Block-sparse masks (BLOCK_MASKS) at sizes that are no multiple of BLOCK, so the last
+    blocks are cut by the plane's edges."""
+    add("block-sparse blocks", mask="blocks", Nq=N(100), Nk=N(120))
+    add("block-sparse one block", mask="blocks-one", Nq=N(100), Nk=N(90))
+    add("block-sparse empty block rows", mask="blocks-empty-rows", mask_shape="head", Hq=3,
+        Hk=3, Nq=N(90), Nk=N(100))
+    add("block-sparse dense + causal", mask="blocks-dense", causal="bottom_right",
+        Nq=N(90), Nk=N(100))
+    add("block-sparse ragged blocks", mask="blocks-ragged", Nq=N(100), Nk=N(110))
+    add("block-sparse blocks + kv_lengths", mask="blocks", kv_lengths="random", B=3,
+        Nq=N(80), Nk=N(120))
 
 
 def _distributions(add, N, dtypes, small):

@@ -1,0 +1,36 @@
+"""Block sparsity: which tiles of the (query, key) plane a kernel must visit (docs/contract.md,
+"Block-sparse attention").
+
+A kernel that walks the plane in tiles of block_m query rows by block_n keys needs, for each
+tile, one of three answers: SKIP (no pair of the tile is visible: the tile changes nothing and
+costs nothing), FULL (every pair of the tile that lies inside the plane is visible: no mask
+need be read) or PARTIAL (some pairs are visible, some not: the mask decides pair by pair).
+Hidden pairs change nothing whichever answer a kernel takes, NaN and inf in their keys and
+values included: skipping a tile is exact, never an approximation.
+"""
+import numpy as np
+
+SKIP, PARTIAL, FULL = 0, 1, 2
+CLASS_NAMES = ("skip", "partial", "full")
+
+
+def tile_classes(keep, block_m, block_n):
+    """(..., ceil(Nq / block_m), ceil(Nk / block_n)) uint8 of SKIP, PARTIAL or FULL for the
+    boolean visibility `keep` (..., Nq, Nk) (a mask, or reference.contract.dense_visible's
+    mask with the band and kv_lengths): a tile at the plane's last rows or keys is judged on
+    the pairs inside the plane only."""
+    keep = np.asarray(keep)
+    if keep.dtype != np.bool_:
+        raise TypeError(f"keep must be a boolean array, got dtype {keep.dtype}")
+    for name, size in (("block_m", block_m), ("block_n", block_n)):
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"{name} must be a positive integer, got {size!r}")
+    *lead, n_q, n_k = keep.shape
+    tiles_m, tiles_n = -(-n_q // block_m), -(-n_k // block_n)
+    pad = [(0, 0)] * len(lead) + [(0, tiles_m * block_m - n_q), (0, tiles_n * block_n - n_k)]
+    shape = (*lead, tiles_m, block_m, tiles_n, block_n)
+    axes = (len(lead) + 1, len(lead) + 3)
+    some = np.pad(keep, pad, constant_values=False).reshape(shape).any(axis=axes)
+    every = np.pad(keep, pad, constant_values=True).reshape(shape).all(axis=axes)
+    return np.where(every & some, FULL, np.where(some, PARTIAL, SKIP)).astype(np.uint8)
+
