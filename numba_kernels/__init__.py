@@ -7,7 +7,7 @@ Runs on NVIDIA GPUs and, unchanged, in Numba's CUDA simulator (NUMBA_ENABLE_CUDA
 The package in layers, each importing only the ones above it in this list:
 
     convert, numba_internals, compile_cache, torch_precision,     shared parts
-      common, schedule, warp
+      common, schedule, warp, block_sparse
     plain_fwd, flash_fwd, plain_bwd, flash_bwd, split_kv,               the kernels
       mma_parts, halves, flash_mma, flash_mma_bwd
     specs, warm                                          the registry of compiled variants

@@ -41,16 +41,17 @@ def make_masked_score(sizes):
 
     @kernel_part
     def masked_score(x, mask, bias, mask_steps, bias_steps, b, h, row, col, lo, hi,
-                     interior, n_q):
+                     interior, n_q, read_mask):
         """x (a scaled score, log2 units) plus the bias if query row `row` sees key `col`,
         else -inf (the contract: key_range, the mask, bias != -inf). Selected, not added: a
         NaN score of a hidden key must vanish. interior: the tile is inside every row's
-        band, so lo and hi need no test."""
+        band, so lo and hi need no test; read_mask False: the mask shows every pair of the
+        tile (block_sparse.py's FULL), so it is not read."""
         if not (row < n_q and (interior or (col >= lo and col < hi))):
             return NEG_INF
         if HAS_MASK:
             ms, bs = mask_steps, bias_steps  # 0 along broadcast dimensions
-            if mask[b * ms[0], h * ms[1], row * ms[2], col * ms[3]] == 0:
+            if read_mask and mask[b * ms[0], h * ms[1], row * ms[2], col * ms[3]] == 0:
                 return NEG_INF
             add = bias[b * bs[0], h * bs[1], row * bs[2], col * bs[3]]
             if add == NEG_INF:
@@ -69,6 +70,8 @@ ARGS = (
     ("k", "input", "(B, Hk, Nk, D) keys"),
     ("v", "input", "(B, Hk, Nk, DV) values"),
     ("mask", "mask", "uint8, 0 hides a key; broadcast by zero strides (all ones if none)"),
+    ("classes", "classes", "uint8 (B or 1, Hq or 1, query tiles, key tiles): the mask's tiles "
+     "at the kernel's tile sizes, SKIP, PARTIAL or FULL (block_sparse.py); read with a mask"),
     ("bias", "bias", "float32, added to the scores (natural log); broadcast likewise"),
     ("kv_lengths", "lengths", "(B,) int32: the keys each batch element has"),
     ("out", "output", "(B, Hq, Nq, DV); with split-KV (splits * B, ...) float32 partials"),

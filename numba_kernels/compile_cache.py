@@ -38,7 +38,8 @@ SOURCES = ("numba_kernels/flash_fwd.py", "numba_kernels/flash_bwd.py",
            "numba_kernels/flash_mma_bwd.py", "numba_kernels/halves.py", "numba_kernels/warp.py",
            "numba_kernels/numba_internals.py", "numba_kernels/common.py",
            "numba_kernels/schedule.py", "numba_kernels/mma_parts.py",
-           "numba_kernels/compile_cache.py", "reference/bands.py", "reference/dtypes.py")
+           "numba_kernels/block_sparse.py", "numba_kernels/compile_cache.py",
+           "reference/bands.py", "reference/blocks.py", "reference/dtypes.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FOLDERS = weakref.WeakKeyDictionary()  # kernel -> its cache folder
 

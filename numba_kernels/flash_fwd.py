@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from numba import cuda
 
+from .block_sparse import make_tile_walk
 from .common import (ARG_NAMES, F_LN2, NEG_INF, NO_PART, STATIC_SHARED_LIMIT, ZERO,
                      check_parameters, kernel_part, make_masked_score, takes_part)
 from .convert import float32, int64, uint64, CONVERTERS, device_function, load4
@@ -233,18 +234,19 @@ def make_scale_and_mask(sizes, masked_score):
 
     @kernel_part
     def scale_and_mask(words, s, qk_scale, mask, bias, mask_steps, bias_steps, b, h,
-                       first_row, first_key, lo, hi, interior, n_q, ty_u, tx_u):
+                       first_row, first_key, lo, hi, interior, n_q, read_mask, ty_u, tx_u):
         """S = S * qk_scale (+ bias), -inf where a row does not see a key (masked_score);
         scaled first, as in the reference: a scale <= 0 must not turn a masked -inf into
         +inf or NaN. The thread's max of each of its rows goes to the row statistics.
         first_row, first_key: the thread's first row and key (its rows and keys are
-        THREADS_M and THREADS_N apart)."""
+        THREADS_M and THREADS_N apart); read_mask: the tile is partly visible by the mask."""
         for i in range(TM):
             tile_max = NEG_INF
             for j in range(TN):
                 s[i, j] = masked_score(s[i, j] * qk_scale, mask, bias, mask_steps,
                                        bias_steps, b, h, first_row + i * THREADS_M,
-                                       first_key + j * THREADS_N, lo[i], hi[i], interior, n_q)
+                                       first_key + j * THREADS_N, lo[i], hi[i], interior, n_q,
+                                       read_mask)
                 tile_max = max(tile_max, s[i, j])
             words[STAT_AT + (ty_u + uint64(i * THREADS_M)) * uint64(THREADS_N) + tx_u] = \
                 tile_max
@@ -436,9 +438,10 @@ def kernel_source(spec):
     FRAG = 2 * VEC  # local-array shapes must be closure ints, not expressions
     (load_q, init_rows, load_k, scores, scale_and_mask, online_softmax, load_v, pv,
      pv_seen_keys, store_out) = device_functions(spec)
+    visible_from, _, reads_mask = make_tile_walk(spec.has_mask, BLOCK_N)
 
-    def flash_fwd(q, k, v, mask, bias, kv_lengths, out, lse, n_q, d, d_v, group, heads_q,
-                  n_tiles, split_len, qk_scale, left, right, bottom_right, mask_steps,
+    def flash_fwd(q, k, v, mask, classes, bias, kv_lengths, out, lse, n_q, d, d_v, group,
+                  heads_q, n_tiles, split_len, qk_scale, left, right, bottom_right, mask_steps,
                   bias_steps):
         # One shared array, carved by KernelSpec.offsets; at offset 0 of the block's shared
         # memory it is 16-byte aligned, as load4 needs.
@@ -471,7 +474,9 @@ def kernel_source(spec):
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
             split, split_len, BLOCK_N)
         d_steps = (d + FRAG - 1) // FRAG  # scores' steps: head-dim columns past d are zeros
-        for start_n in range(first, last, BLOCK_N):
+        cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's tile classes
+        start_n = visible_from(classes, cb, ch, tile, first, last)  # tiles no row sees: none
+        while start_n < last:
             # Keys left from start_n: the last tile may be partial (its rows past them are
             # loaded as zeros). Not min(last, start_n + BLOCK_N): that costs registers.
             n_keys = last - start_n
@@ -483,7 +488,8 @@ def kernel_source(spec):
             cuda.syncthreads()  # Barrier: the K tile is complete.
             scores(words, s, frag, ty_u, tx_u, d_steps)
             scale_and_mask(words, s, qk_scale, mask, bias, mask_steps, bias_steps, b, h,
-                           start_m + ty, start_n + tx, lo, hi, interior, n_q, ty_u, tx_u)
+                           start_m + ty, start_n + tx, lo, hi, interior, n_q,
+                           reads_mask(classes, cb, ch, tile, start_n), ty_u, tx_u)
             cuda.syncthreads()  # Barrier: every thread's row maxima are written.
             online_softmax(words, s, m_i, l_i, acc, ty_u, tx_u)
             cuda.syncthreads()  # Barrier: P is written and K is read: V may take its words.
@@ -494,6 +500,7 @@ def kernel_source(spec):
                 pv(words, acc, frag, v_cols, ty_u, tx_u, min(BLOCK_N, n_keys))
             else:
                 pv_seen_keys(words, acc, v_cols, s, ty_u, tx_u)
+            start_n = visible_from(classes, cb, ch, tile, start_n + BLOCK_N, last)
         store_out(words, out, lse, m_i, l_i, acc, out_b, h, start_m, start_m + ty, n_q, d_v,
                   ty_u, tx_u)
 

@@ -13,6 +13,7 @@ from functools import lru_cache
 from numba import cuda
 
 from . import halves, warp
+from .block_sparse import make_tile_walk
 from .common import (ARGS, FASTMATH, F_LN2, NEG_INF, NO_PART, ZERO, check_parameters, kernel_part,
                      make_masked_score)
 from .compile_cache import jit
@@ -361,6 +362,7 @@ def kernel_source(spec):
         P_FACTOR, P_BACK = ONE, None
     load_q = make_load_q(copy_q, copy_kv, make_load_q_fragments(D, K_ROW), STAGE)
     this_block, next_tile = make_this_block(CAREFUL), make_next_tile(copy_kv, STAGE)
+    visible_from, skipped, reads_mask = make_tile_walk(spec.has_mask, BLOCK_N)
     init_rows = make_init_rows(VB)
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
                                          spec.has_mask)
@@ -372,9 +374,9 @@ def kernel_source(spec):
     store_out = make_store_out(DV, CONVERTERS["float32" if spec.partial else spec.dtype][1],
                                P_BACK)
 
-    def flash_mma(q, k, v, mask, bias, kv_lengths, q_flags, k_flags, factors, deferred, out,
-                  lse, n_q, d, d_v, group, heads_q, split_len, qk_scale, left, right,
-                  bottom_right, mask_steps, bias_steps):
+    def flash_mma(q, k, v, mask, classes, bias, kv_lengths, q_flags, k_flags, factors,
+                  deferred, out, lse, n_q, d, d_v, group, heads_q, split_len, qk_scale, left,
+                  right, bottom_right, mask_steps, bias_steps):
         words = cuda.shared.array(WORDS, uint32)  # two stages; Q lands in the second first
         q_frag = cuda.local.array((KSTEPS, 4), uint32)  # this warp's rows of Q, A fragments
         s = cuda.local.array((NB, 4), float32)  # S, then P, of the lane's fragment
@@ -398,6 +400,8 @@ def kernel_source(spec):
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
             split, split_len, BLOCK_N)
+        cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's tile classes
+        first = visible_from(classes, cb, ch, tile, first, last)  # tiles no row sees: none
         q_bad = HALVES and own_flagged(q_flags, b, h, start_m)  # scores_exact's
         if HALVES and not CAREFUL and tiles_flagged(k_flags, k_flags, b, hk, 1, first,
                                                     last - 1, tid, q_bad):
@@ -410,13 +414,17 @@ def kernel_source(spec):
                q_frag, lane, w)
         stage = 0
         for start_n in range(first, last, BLOCK_N):
-            next_tile(words, k, v, k_base, v_base, start_n, last, d, d_v, stage)
+            if skipped(classes, cb, ch, tile, start_n):
+                continue  # no row sees it: not fetched (next_tile fetches the next visible)
+            following = visible_from(classes, cb, ch, tile, start_n + BLOCK_N, last)
+            next_tile(words, k, v, k_base, v_base, following, last, d, d_v, stage)
             at = stage * STAGE
             scores(words, at, q_frag, s, lane, w,  # S = Q K^T
                    EXACT and (q_bad or k_flags[b, hk, start_n // FLAG_ROWS] != 0))
             interior = start_n >= lo_last and start_n + BLOCK_N <= hi_first  # all rows see it
             scale_and_mask(s, qk, mask, bias, mask_steps, bias_steps, b, h, row0,
-                           start_n, lo, hi, interior, whole_rows, n_q, lane)
+                           start_n, lo, hi, interior, whole_rows, n_q,
+                           reads_mask(classes, cb, ch, tile, start_n), lane)
             # the same answer for the whole block (tile_nonfinite's barrier)
             nonfinite_v = CAREFUL and tile_nonfinite(words, at + K_TILE)
             online_softmax(s, m_i, l_i, acc, nonfinite_v)

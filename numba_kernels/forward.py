@@ -14,7 +14,7 @@ from .mma_parts import BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, mma_width
 from .plain_fwd import PLAIN_ARG_NAMES, plain_kernel, plain_tiles
 from .plan import (call_plan, check_kernel, halves_range_why_not, halves_summed, mma_plan,
                    resolve_precision)
-from .prepass import halves_prepass
+from .prepass import class_prepass, halves_prepass
 from .specs import build_kernel, build_merge, choose_spec, launch_grid, pad
 from .split_kv import choose_splits, split_layout
 
@@ -79,10 +79,12 @@ def simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, 
             raise ValueError(f"spec {spec} does not fit D={pb.d}, Dv={pb.dv}, {pb.dtype}, "
                              f"mask or bias={'yes' if has_mask else 'no'}, {n_splits} split(s)")
         mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
+        classes = class_prepass(io, pb, mask_dev, steps["mask_steps"], has_mask, spec.block_m,
+                                spec.block_n)
         dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
         blocks, threads, n_tiles = launch_grid(pb.n_q, pb.batch, pb.heads_q, spec, n_splits)
         launch(build_kernel(spec), spec, blocks, threads, io.stream, *kernel_args(
-            q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, bias=bias_dev,
+            q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, classes=classes, bias=bias_dev,
             kv_lengths=lengths, out=io.dev(dest[0]), lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d,
             d_v=pb.dv, group=pb.group, heads_q=pb.heads_q, n_tiles=n_tiles,
             split_len=split_len, **band(pb), **steps))
@@ -172,6 +174,9 @@ def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, s
         n_splits, split_len = _splits(pb, q_tiles * pb.batch * pb.heads_q, MMA_BLOCK_N,
                                       num_splits)
         mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
+        has_mask = mask is not None or bias is not None
+        classes = class_prepass(io, pb, mask_dev, steps["mask_steps"], has_mask, MMA_BLOCK_M,
+                                MMA_BLOCK_N)
         dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
         deferred = io.scratch((n_splits * pb.batch, pb.heads_q, q_tiles))
         named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v))
@@ -181,13 +186,13 @@ def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, s
         else:  # not read by the 16-bit variants
             flags = dict(q_flags=deferred, k_flags=deferred, factors=io.flat(io.dev(dest[1])))
         args = kernel_args(
-            MMA_ARG_NAMES, **named, **flags, mask=mask_dev, bias=bias_dev, kv_lengths=lengths,
-            deferred=deferred, out=io.dev(dest[0]), lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d,
-            d_v=pb.dv, group=pb.group, heads_q=pb.heads_q, split_len=split_len, **band(pb),
-            **steps)
+            MMA_ARG_NAMES, **named, **flags, mask=mask_dev, classes=classes, bias=bias_dev,
+            kv_lengths=lengths, deferred=deferred, out=io.dev(dest[0]), lse=io.dev(dest[1]),
+            n_q=pb.n_q, d=pb.d, d_v=pb.dv, group=pb.group, heads_q=pb.heads_q,
+            split_len=split_len, **band(pb), **steps)
         for careful in (False, True):
-            spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype,
-                           mask is not None or bias is not None, n_splits > 1, careful, summed)
+            spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype, has_mask, n_splits > 1,
+                           careful, summed)
             launch(mma_kernel(spec), spec, (q_tiles, pb.batch * pb.heads_q, n_splits), 128,
                    io.stream, *args, shared=spec.dynamic_shared_bytes)
         if n_splits > 1:

@@ -80,17 +80,18 @@ def make_copy_kv(copy_k, copy_v, K_TILE):
 
 def make_next_tile(copy_kv, STAGE):
     @kernel_part
-    def next_tile(words, k, v, k_base, v_base, start_n, last, d, d_v, stage):
-        """Wait until the key tile from start_n has landed in `stage` for every warp, then
-        begin copying the next one into the other stage (the forward's and dQ's loops)."""
+    def next_tile(words, k, v, k_base, v_base, following, last, d, d_v, stage):
+        """Wait until this key tile has landed in `stage` for every warp, then begin copying
+        the one from `following` (if before `last`) into the other stage (the forward's and
+        dQ's loops)."""
         warp.cp_async_wait(0)  # this thread's copies of this tile have landed
         # Barrier: every thread's copies of this tile have landed, and every warp is done
         # with the other stage (the previous tile, or the forward's Q), which the next copy
         # overwrites.
         cuda.syncthreads()
-        if start_n + BLOCK_N < last:
-            copy_kv(words, (1 - stage) * STAGE, k, v, k_base, v_base, start_n + BLOCK_N,
-                    last, d, d_v)
+        if following < last:
+            copy_kv(words, (1 - stage) * STAGE, k, v, k_base, v_base, following, last, d,
+                    d_v)
             warp.cp_async_commit()
 
     return next_tile
@@ -146,12 +147,12 @@ def make_scores(D, K_ROW, mma, KEYS=BLOCK_N):
 def make_scale_and_mask(masked_score, HAS_MASK):
     @kernel_part
     def scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0, start_n,
-                       lo, hi, interior, whole_rows, n_q, lane):
+                       lo, hi, interior, whole_rows, n_q, read_mask, lane):
         """S * qk_scale (+ bias), -inf where a row does not see a key. Element e of n-block
         nb is row row0 + 8 (e // 2), key start_n + 8 nb + 2 t + e % 2. Most tiles are
         interior (every row sees every key) in a block whose rows all exist: without a mask
         or bias, there S * qk_scale is all (masked_score's tests cost 8 instructions an
-        element)."""
+        element). read_mask False: the mask shows every pair of the tile (not read)."""
         if not HAS_MASK and interior and whole_rows:
             for nb in range(BLOCK_N // 8):
                 for e in range(4):
@@ -164,7 +165,7 @@ def make_scale_and_mask(masked_score, HAS_MASK):
                 s[nb, e] = masked_score(s[nb, e] * qk_scale, mask, bias, mask_steps,
                                         bias_steps, b, h, row0 + 8 * half,
                                         start_n + 8 * nb + 2 * t + e % 2, lo[half], hi[half],
-                                        interior, n_q)
+                                        interior, n_q, read_mask)
 
     return scale_and_mask
 

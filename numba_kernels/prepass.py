@@ -1,12 +1,32 @@
-"""The pre-passes of the tensor-core kernels, launched before them with no wait for the host:
-float32 inputs split into float16 halves (halves.py), and 16-bit inputs' tiles flagged where
-they hold a NaN or an inf (flash_mma_bwd.py's scan)."""
+"""The pre-passes, launched before the kernels with no wait for the host: a mask's tile classes
+(block_sparse.py) for the forward kernels, and for the tensor-core kernels float32 inputs split
+into float16 halves (halves.py) and 16-bit inputs' tiles flagged where they hold a NaN or an
+inf (flash_mma_bwd.py's scan)."""
 import numpy as np
 
+from .block_sparse import CLASS_THREADS, ClassesSpec, classes_kernel
 from .flash_mma_bwd import SCAN_THREADS, ScanSpec, scan_kernel
 from .halves import ABS_BLOCKS, SLOTS, THREADS as HALVES_THREADS, HalvesSpec, halves_kernel
 from .launch import launch
 from .mma_parts import FLAG_ROWS
+
+
+def class_prepass(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n):
+    """The tile classes a forward kernel with tiles of block_m x block_n reads (block_sparse.py):
+    (B or 1, Hq or 1, query tiles, key tiles) uint8 on the device, the batch and head
+    dimensions the mask's (mask_dev, as side_inputs gives it, with its steps); without a mask
+    or bias (has_mask False) an array the kernel does not read. No wait for the host."""
+    if not has_mask:
+        return io.scratch((1, 1, 1, 1))
+    tiles_m, tiles_n = -(-pb.n_q // block_m), -(-pb.n_k // block_n)
+    batch, heads = (pb.batch if mask_steps[0] else 1), (pb.heads_q if mask_steps[1] else 1)
+    classes = io.scratch((batch, heads, max(tiles_m, 1), max(tiles_n, 1)))
+    if tiles_m * tiles_n:
+        spec = ClassesSpec(block_m, block_n)
+        launch(classes_kernel(spec), spec, (tiles_n, tiles_m, batch * heads), CLASS_THREADS,
+               io.stream, mask_dev, tuple(int(x) for x in mask_steps), pb.n_q, pb.n_k,
+               classes)
+    return classes
 
 
 def halves_prepass(io, named, names=SLOTS):

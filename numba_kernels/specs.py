@@ -9,12 +9,14 @@ from numba import cuda, float32, int16, int32, int64, uint8
 from numba.types import UniTuple, float16
 
 from reference.dtypes import KERNEL_DTYPES
+from .block_sparse import ClassesSpec, classes_kernel, classes_source
 from .compile_cache import jit
 from .convert import CONVERTERS
 from .flash_bwd import BwdSpec, bwd_kernel_source, bwd_specs
 from .common import ARGS, FASTMATH
 from .flash_fwd import KernelSpec, kernel_source
 from .flash_mma import MMA_ARGS, MmaSpec, mma_kernel, mma_specs
+from .mma_parts import BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N
 from .flash_mma import kernel_source as mma_kernel_source
 from .flash_mma_bwd import (MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec, ScanSpec, mma_bwd_kernel,
                             mma_bwd_source, mma_bwd_specs, scan_kernel, scan_source)
@@ -89,7 +91,14 @@ def gate_specs():
     """Every variant a call can launch, of every kernel: what the PTX gate compiles (the
     plain kernels and the delta kernel at each padded width pad() gives, the merges by dtype)."""
     return (shipped_specs() + list(DTYPES) + plain_specs(HEAD_DIMS) + plain_bwd_specs(HEAD_DIMS)
-            + bwd_specs() + mma_specs() + mma_bwd_specs())
+            + bwd_specs() + mma_specs() + mma_bwd_specs() + classes_specs())
+
+
+def classes_specs():
+    """The tile-class pre-passes (block_sparse.py) at the tile sizes of the forward kernels
+    that read a mask: each masked SIMT variant's and the tensor-core kernel's."""
+    sizes = {(s.block_m, s.block_n) for s in shipped_specs() if s.has_mask}
+    return [ClassesSpec(m, n) for m, n in sorted(sizes | {(MMA_BLOCK_M, MMA_BLOCK_N)})]
 
 
 def shipped_specs():
@@ -117,6 +126,7 @@ def arg_types(args, elem, out_elem):
         return t[(slice(None),) * (ndim - 1) + (last,)] if ndim > 1 else t[last]
 
     kinds = {"input": array(elem, 4), "output": array(out_elem, 4), "mask": array(uint8, 4),
+             "classes": array(uint8, 4),
              "bias": array(float32, 4), "lengths": array(int32, 1), "lse": array(float32, 3),
              "flags": array(uint8, 3), "factors": array(float32, 1),
              "int": int64, "float": float32, "steps": UniTuple(int64, 4)}
@@ -155,6 +165,11 @@ def mma_bwd_signature(spec):
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
     args = MMA_DQ_ARGS if spec.part == "dq" else MMA_DKDV_ARGS  # dkdv, dk, dv
     return arg_types(args, float16, elem) if spec.halves else arg_types(args, elem, elem)
+
+
+def classes_signature(spec):
+    """Argument types of the tile-class pre-pass (block_sparse.classes_source)."""
+    return (uint8[:, :, :, ::1], UniTuple(int64, 4), int64, int64, uint8[:, :, :, ::1])
 
 
 def halves_signature(spec):
@@ -224,6 +239,9 @@ def _variant(spec):
                 mma_signature(spec))
     if isinstance(spec, ScanSpec):
         return (lambda: scan_source(spec), lambda: scan_kernel(spec), scan_signature(spec))
+    if isinstance(spec, ClassesSpec):
+        return (lambda: classes_source(spec), lambda: classes_kernel(spec),
+                classes_signature(spec))
     if isinstance(spec, HalvesSpec):
         source = absmax_source if spec.part == "absmax" else split_source
         return (source, lambda: halves_kernel(spec), halves_signature(spec))
@@ -241,8 +259,8 @@ def variants(forward, backward=None):
     before a run: forward "simt" (flash_attention(kernel="simt")), "plain" or "mma", with the
     split-KV merges; backward None, "plain", "tuned" or "mma" (with the delta kernel; "mma"
     with the pre-pass that flags tiles holding a NaN or an inf)."""
-    fwd = {"simt": shipped_specs(), "plain": plain_specs(HEAD_DIMS),
-           "mma": mma_specs() + halves_specs()}
+    fwd = {"simt": shipped_specs() + classes_specs(), "plain": plain_specs(HEAD_DIMS),
+           "mma": mma_specs() + halves_specs() + classes_specs()}
     bwd = [] if backward is None else [s for s in plain_bwd_specs(HEAD_DIMS)
                                        if s.part == "delta" or backward == "plain"]
     if backward == "tuned":

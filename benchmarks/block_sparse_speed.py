@@ -1,0 +1,113 @@
+"""Block-sparse attention on one GPU: our kernels with a boolean mask made of blocks, beside our
+unmasked call, PyTorch's efficient backend with the same mask and FlexAttention with the same
+blocks as a BlockMask (compiled), in one run.
+
+    python benchmarks/block_sparse_speed.py [--shape 1,16,8192,128] [--dtype bfloat16]
+                                            [--block 128] [--density 0.115] [--backward]
+                                            [--out DIR]
+
+The mask: blocks of --block x --block pairs, a fraction --density of them kept at random (the
+diagonal blocks always), as (1, 1, N, N) booleans; "dense" keeps every block (a mask of ones).
+Also a causal band and a window of one block each side, given as masks. CUDA events, a
+warm-up call, the median of repeats worth about 0.3 s (attention_speed.time_ms). --backward
+times forward plus backward through autograd. Writes DIR/block_sparse_speed.json.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.attention_speed import time_ms  # noqa: E402
+from numba_kernels import flash_attention  # noqa: E402
+from reference.dtypes import torch_dtype  # noqa: E402
+
+
+def block_mask(n, block, density, kind, generator):
+    """(1, 1, n, n) booleans made of block x block blocks (the module docstring's kinds)."""
+    blocks = -(-n // block)
+    i = torch.arange(blocks, device="cuda")
+    if kind == "random":
+        keep = torch.rand(blocks, blocks, device="cuda", generator=generator) < density
+        keep |= i[:, None] == i[None]
+    elif kind == "dense":
+        keep = torch.ones(blocks, blocks, dtype=torch.bool, device="cuda")
+    elif kind == "causal":
+        keep = i[:, None] >= i[None]
+    else:  # window: one block each side of the diagonal
+        keep = (i[:, None] - i[None]).abs() <= 1
+    pairs = keep.repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :n]
+    return pairs[None, None].contiguous(), float(keep.float().mean())
+
+
+def calls(q, k, v, mask, block):
+    """{name: a call of it} on these inputs (FlexAttention's BlockMask made once, outside)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention)
+    keep = mask[0, 0]
+    blocks = create_block_mask(lambda b, h, qi, ki: keep[qi, ki], None, None, q.shape[2],
+                               k.shape[2], device="cuda", BLOCK_SIZE=block)
+
+    def efficient():
+        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return {"ours, no mask": lambda: flash_attention(q, k, v),
+            "ours, mask": lambda: flash_attention(q, k, v, mask=mask),
+            "efficient, mask": efficient,
+            "flex, no mask": lambda: flex(q, k, v),
+            "flex, block mask": lambda: flex(q, k, v, block_mask=blocks)}
+
+
+def timed(call, backward, grad):
+    if not backward:
+        return time_ms(call)[0]
+
+    def step():
+        out = call()
+        out.backward(grad)
+    return time_ms(step)[0]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="1,16,8192,128", help="B,H,N,D (default 1,16,8192,128)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("float16", "bfloat16", "float32"))
+    ap.add_argument("--block", type=int, default=128, help="the mask's block size")
+    ap.add_argument("--density", type=float, default=0.115,
+                    help="the fraction of blocks kept in the random mask")
+    ap.add_argument("--kinds", default="random,dense,causal,window",
+                    help="masks to time: random, dense, causal, window")
+    ap.add_argument("--backward", action="store_true", help="forward plus backward")
+    ap.add_argument("--out", default=".", help="folder for block_sparse_speed.json")
+    a = ap.parse_args()
+    b, h, n, d = (int(x) for x in a.shape.split(","))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch_dtype(a.dtype), generator=g)
+               .requires_grad_(a.backward) for _ in range(3))
+    grad = torch.randn_like(q)
+    rows = []
+    for kind in a.kinds.split(","):
+        mask, kept = block_mask(n, a.block, a.density, kind, g)
+        for name, call in calls(q, k, v, mask, a.block).items():
+            try:
+                ms = timed(call, a.backward, grad)
+            except (RuntimeError, ValueError) as e:  # a backend refuses, or memory runs out
+                ms, error = None, str(e).splitlines()[0][:100]
+            else:
+                error = ""
+            rows.append(dict(mask=kind, kept=kept, impl=name, ms=ms, error=error, shape=a.shape,
+                             dtype=a.dtype, block=a.block, backward=a.backward))
+            print(f"{kind:7s} kept {kept:6.3f} {name:18s} "
+                  + (f"{ms:8.3f} ms" if ms is not None else error), flush=True)
+    with open(os.path.join(a.out, "block_sparse_speed.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Block sparsity in the forward kernels (numba_kernels/block_sparse.py): the pre-pass classes a
+mask's tiles as reference/blocks.py does, and the kernels walk those classes: a SKIP tile is
+not visited, a FULL tile's mask is not read."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import verify  # noqa: F401  (selects the simulator on a machine without a GPU)
+import reference
+from numba_kernels import flash_attention, forward
+from numba_kernels.arrays import begin, side_inputs
+from numba_kernels.prepass import class_prepass
+from reference.blocks import FULL, SKIP, tile_classes
+
+
+def _host(x):
+    return x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 40), st.sampled_from([(16, 16), (64, 32), (32, 32)]),
+       st.sampled_from(["batch", "head", "shared", "keys"]), st.integers(0, 2**31))
+def test_the_prepass_classes_tiles_as_the_reference_does(n_q, n_k, tiles, shape, seed):
+    """On the device, at a kernel's tile sizes, for masks of every broadcast form: the
+    reference's classes, batch and head dimensions the mask's own."""
+    rng = np.random.default_rng(seed)
+    b, h = 2, 3
+    mask_shape = {"batch": (b, 1, n_q, n_k), "head": (b, h, n_q, n_k),
+                  "shared": (1, 1, n_q, n_k), "keys": (b, 1, 1, n_k)}[shape]
+    blocks = rng.random(mask_shape[:2] + (-(-mask_shape[2] // 4), -(-n_k // 4))) < 0.4
+    mask = blocks.repeat(4, axis=2).repeat(4, axis=3)[:, :, :mask_shape[2], :n_k]
+    mask[..., :1, :1] = rng.random() < 0.5  # a ragged corner now and then
+    q = np.zeros((b, h, n_q, 8), np.float32)
+    k = v = np.zeros((b, h, n_k, 8), np.float32)
+    pb, io, _, _ = begin(q, k, v, None, False, mask, None, None, None)
+    mask_dev, _, _, steps = side_inputs(io, pb, mask, None, None)
+    got = _host(class_prepass(io, pb, mask_dev, steps["mask_steps"], True, *tiles))
+    want = tile_classes(np.broadcast_to(mask, mask_shape[:2] + (n_q, n_k)), *tiles)
+    assert got.shape == want.shape and (got == want).all(), (got, want)
+
+
+@pytest.mark.parametrize("kernel,dtype", [("simt", "float32"), ("mma", "float16")])
+def test_the_forward_kernels_skip_and_trust_the_classes(monkeypatch, kernel, dtype):
+    """With the true classes the masked result; with every tile SKIP nothing is visited (zeros,
+    lse -inf); with every tile FULL no mask is read (the unmasked result): the kernels walk
+    the classes, they do not merely receive them."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, 64, 16)).astype(dtype) for _ in range(3))
+    mask = rng.random((1, 1, 64, 64)) < 0.5  # every tile partly visible
+    true = forward.class_prepass
+
+    def run(fill=None):
+        def classes(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n):
+            got = true(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n)
+            if fill is not None:
+                got = io.dev(np.full(_host(got).shape, fill, np.uint8))
+            return got
+
+        monkeypatch.setattr(forward, "class_prepass", classes)
+        return flash_attention(q, k, v, mask=mask, kernel=kernel, return_lse=True)
+
+    def close(got, want):
+        return np.allclose(np.asarray(got, np.float64), want, atol=2e-3, rtol=2e-3)
+
+    masked = reference.attention(q.astype(np.float64), k.astype(np.float64),
+                                 v.astype(np.float64), mask=mask)
+    plain = reference.attention(q.astype(np.float64), k.astype(np.float64),
+                                v.astype(np.float64))
+    out, _ = run()
+    assert close(out, masked) and not close(out, plain)
+    out, lse = run(SKIP)
+    assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all()
+    out, _ = run(FULL)
+    assert close(out, plain) and not close(out, masked)
