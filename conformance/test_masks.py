@@ -1,11 +1,14 @@
 """Masks: all-false rows, a single visible key, the diagonal, block-sparse masks, kv_lengths of
 0, 1 and Nk, windows of width 0 and 1, both causal alignments with Nq < Nk and Nq > Nk, and
 mixtures."""
+from dataclasses import replace
+
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from verify.cases import BLOCK_MASKS
+from verify.cases import BLOCK, BLOCK_MASKS, make_inputs, visibility
+from verify.checks import most_hidden_block
 from .strategies import assert_holds, cases, seeds
 
 
@@ -63,5 +66,22 @@ def test_causal_alignments(impl, limits, alignment, shape):
         nq, nk = (a, b) if shape == "Nq<Nk" else (b, a)
         case = data.draw(cases(impl, limits, causal=alignment, nq=nq, nk=nk), label="case")
         assert_holds(f"causal {alignment} {shape}", impl, case, seed)
+
+    prop()
+
+
+def test_keys_a_row_does_not_see_leave_its_bits_alone(impl, limits):
+    """Under a block-sparse mask, other K and V in keys some rows do not see leave those rows'
+    outputs bit for bit the same where the implementation claims it (verify's hidden-keys
+    check): a kernel that skips the tiles a mask hides agrees with one that reads them."""
+    _claims(impl, "mask")
+
+    @given(case=cases(impl, limits, mask="blocks"), seed=seeds())
+    def prop(case, seed):
+        q, k, v, options = make_inputs(case, seed)
+        seen = visibility(case, options, q, k, v)
+        first = most_hidden_block(seen)
+        assume((~seen[..., first:first + BLOCK].any(axis=-1)).any())  # rows that see none
+        assert_holds("hidden keys", impl, replace(case, check="hidden-keys"), seed)
 
     prop()

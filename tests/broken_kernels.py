@@ -51,6 +51,9 @@ BUGS = {  # bug: (a case that must fail, a phrase its failure must contain)
     "partial-tile-skipped": ("block-sparse blocks", "mismatched"),
     "partial-tile-as-full": ("block-sparse ragged blocks", "mismatched"),
     "full-tile-ignores-band": ("block-sparse dense + causal", "mismatched"),
+    # the softmax's shift taken over every key's score of the row, hidden ones too: right in
+    # value, but keys a row does not see move its bits
+    "max-over-hidden": ("call check: hidden-keys", "keys a row does not see reach it"),
 }
 SPARSE_TILE = 32
 # Kernels that pass the battery without the value families and layouts (verify.cases.VALUES,
@@ -220,6 +223,9 @@ def _tiles(bug, pb, qf, kf, vf, keep, bias, scale):
             vis = keep[..., j0:j1]
             s = _scores(bug, raw, vis, bias[..., j0:j1], scale)
             tile_max = s.max(-1)
+            if bug == "max-over-hidden":  # rows that see a key shift by every key's score
+                every = np.einsum("bhid,bhjd->bhij", qf, kf).max(-1) * scale
+                tile_max = np.where(keep.any(-1), np.maximum(tile_max, every), tile_max)
             if bug == "max-before-scale":  # the max of raw masked scores, scaled afterwards
                 tile_max = np.where(vis, raw, -np.inf).max(-1) * scale
             if bug == "batch-dependent":  # one max for the whole batch and every head

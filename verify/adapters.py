@@ -46,6 +46,7 @@ class Supports:
     scale: tuple = ("positive", "zero", "negative")  # explicit scales it takes
     fully_masked: str = "zeros"  # rows with no visible key: "zeros" (the contract), "nan", "mean"
     batch_invariant: bool = True  # each (batch, head) alone gives bitwise the batched result
+    hidden_bitwise: bool = True  # keys a row does not see change none of its output's bits
     out_buffer: bool = False  # takes out= (a caller's array, possibly a view) and fills it
     backward: bool = False  # gives dq, dk, dv (Implementation.grad): the backward suites
     # What it takes beyond features: refusals of other inputs are "not claimed", not failed
@@ -149,8 +150,8 @@ CHOICES = {"dtypes": KERNEL_DTYPES, "causal": ("top_left", "bottom_right"),
            "fully_masked": ("zeros", "nan", "mean"), "array": ("numpy", "torch", "cupy", "jax"),
            "device": ("cpu", "cuda"), "layout": ("bhnd", "bnhd")}
 BOOLEAN_CLAIMS = ("mask", "bias", "kv_lengths", "window", "gqa", "dv_differs", "lse",
-                  "nonfinite_hidden", "batch_invariant", "out_buffer", "backward",
-                  "equal_lengths")
+                  "nonfinite_hidden", "batch_invariant", "hidden_bitwise", "out_buffer",
+                  "backward", "equal_lengths")
 
 
 def check_names(what, value, allowed):

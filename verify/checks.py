@@ -6,11 +6,12 @@ result is judged against, out, lse, notes) like pipeline.call_and_check, or rais
     batch-alone    a result that depends on the rest of the batch (bitwise, when claimed)
     stream         work launched on another stream than the caller's current one
     out-buffer     writes outside the caller's out= view
+    hidden-keys    a row's output changed by keys it does not see (bitwise, when claimed)
 """
 import numpy as np
 
 from reference.dtypes import cast
-from .cases import make_inputs
+from .cases import BLOCK, VacuousCase, make_inputs, visibility
 from .calling import Fail, bits, call, converter, to_impl, unpack
 from .pipeline import call_and_check, judge_result
 
@@ -196,5 +197,49 @@ def out_buffer(impl, case, seed, inputs):
     return inputs, out, lse, []
 
 
+def hidden_keys(impl, case, seed, inputs):
+    """Call, then again with other finite K and V in the block of keys that the most rows do
+    not see: both judged against the truth, and every row that sees none of those keys
+    bitwise the same where the implementation claims it (a kernel that skips the tiles a
+    mask hides and one that reads them must agree to the bit)."""
+    inputs, out, lse, notes = call_and_check(impl, case, seed, inputs)
+    q, k, v, options = inputs
+    seen = visibility(case, options, q, k, v)
+    first = most_hidden_block(seen)
+    keys = slice(first, min(first + BLOCK, case.Nk))
+    rng = np.random.default_rng(seed + FRESH_SEED)
+    k2, v2 = k.copy(), v.copy()
+    k2[:, :, keys] = cast(rng.standard_normal(k2[:, :, keys].shape), case.dtype)
+    v2[:, :, keys] = cast(rng.standard_normal(v2[:, :, keys].shape), case.dtype)
+    changed = (q, k2, v2, options)
+    _, out2, lse2, _ = call_and_check(impl, case, seed, changed)
+    result = judge_result(impl, case, seed, changed, out2, lse2, [], 0.0)
+    if result.verdict != "pass":
+        raise Fail(f"with other values in keys {keys.start}..{keys.stop - 1}:\n{result.detail}")
+    blind = ~seen[..., keys].any(axis=-1)  # (B, Hq, Nq): rows that see none of them
+    if not blind.any():
+        raise VacuousCase(f"case {case.name!r}: every row sees a key of keys {keys.start}.."
+                          f"{keys.stop - 1}, so changing them can show nothing")
+    moved = blind & ~(bits(out) == bits(out2)).all(axis=-1)
+    if moved.any() and impl.supports.hidden_bitwise:
+        b, h, i = (int(x[0]) for x in np.nonzero(moved))
+        raise Fail(f"row {i} of (batch {b}, head {h}) sees none of keys {keys.start}.."
+                   f"{keys.stop - 1}, whose K and V changed, and its output changed by up to "
+                   f"{float(np.abs(out[b, h, i] - out2[b, h, i]).max()):.3g} ({int(moved.sum())}"
+                   f" of {int(blind.sum())} such rows): keys a row does not see reach it")
+    if moved.any():
+        notes.append(f"{int(moved.sum())} of {int(blind.sum())} rows that see none of the "
+                     f"changed keys differ in their last bits (not claimed bitwise)")
+    return inputs, out, lse, notes
+
+
+def most_hidden_block(seen):
+    """The first key of the BLOCK-aligned block of keys that the most rows see none of."""
+    n_k = seen.shape[-1]
+    starts = list(range(0, n_k, BLOCK))
+    blind = [int((~seen[..., j:j + BLOCK].any(axis=-1)).sum()) for j in starts]
+    return starts[int(np.argmax(blind))]
+
+
 CHECK_RUNNERS = {"fresh-inputs": fresh_inputs, "batch-alone": batch_alone, "stream": stream,
-                 "out-buffer": out_buffer}
+                 "out-buffer": out_buffer, "hidden-keys": hidden_keys}
