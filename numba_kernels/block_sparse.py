@@ -6,10 +6,8 @@ The forward kernels with a mask read one byte a key tile: a tile that no row see
 byte, and a tile every row sees by the mask reads no mask (the band and kv_lengths are still
 tested there). The SIMT forward walks the visible tiles alone (a `while` on visible_from);
 the tensor-core forward keeps its `for` over the band's tiles and passes over the skipped
-ones (skipped), prefetching the next visible one: each form is the one ptxas compiles
-without spills for every variant (the `while` spilled 36 bytes in the float32 tensor-core
-variant at D = 128, the `for` 28 in the SIMT float32 one at D = 256). Below the kernels;
-imports none of them.
+ones (skipped), prefetching the next visible one: in each kernel the form ptxas compiles
+without spills (docs/design/block_sparse.md). Below the kernels; imports none of them.
 """
 from dataclasses import dataclass
 from functools import lru_cache

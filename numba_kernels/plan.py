@@ -179,8 +179,7 @@ def row_maxima(x):
         x = x.detach()
         if x.numel() == 0:
             return torch.zeros(tuple(x.shape[:3]), device=x.device)
-        # two passes over x (nan_to_num, then a max-norm): isfinite, where, abs and amax
-        # were six, 1.3 ms of a 12.6 ms call at (2, 16, 8192, 128) on the H200
+        # two passes over x (nan_to_num, then a max-norm), not isfinite, where, abs, amax
         finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
         return torch.linalg.vector_norm(finite, ord=float("inf"), dim=3).float()
     if type(x).__module__.split(".")[0] == "cupy":

@@ -309,10 +309,10 @@ def test_precision_high_passes_heads_far_apart_and_the_halves_alone_do_not(monke
 
 
 def test_the_range_check_reads_back_two_numbers_a_tensor_in_one_copy(monkeypatch):
-    """halves_range_why_not keeps torch's row maxima in torch (on the device on a GPU: a
-    (B, H, N) copy to the host cost 3-5 ms a call on the H200) and brings back the largest,
-    the first row past the range and its value, for all its tensors in one copy (each copy
-    waits for the device); the same answers as NumPy's."""
+    """halves_range_why_not keeps torch's row maxima in torch (on the device on a GPU) and
+    brings back each tensor's largest and smallest row maximum, for all its tensors in one
+    copy (each copy waits for the device), and the first row past the range only where it
+    refuses; the same answers as NumPy's."""
     torch = pytest.importorskip("torch")
     from numba_kernels import plan
     from numba_kernels.plan import first_below, row_extremes, row_maxima

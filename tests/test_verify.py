@@ -82,6 +82,20 @@ def test_torch_math_cpu_passes():
         "NaN past kv_lengths"}
 
 
+def test_hidden_keys_hold_bits_only_where_claimed():
+    """A kernel right in value whose bits move with keys a row does not see fails the
+    hidden-keys check when it claims hidden_bitwise, and passes with a note when it does not
+    (the values of both calls are judged either way)."""
+    cases = [(c, i) for i, c in enumerate(battery("quick", ("float32",)))
+             if c.check == "hidden-keys"]
+    claimed = verify.compare(kernel("max-over-hidden"), cases=cases, progress=False)
+    assert not claimed.passed and "reach it" in claimed.cases[0].detail
+    not_claimed = verify.compare(kernel("max-over-hidden"), cases=cases, progress=False,
+                                 supports=Supports(hidden_bitwise=False))
+    assert not_claimed.passed, str(not_claimed)
+    assert "not claimed bitwise" in not_claimed.cases[0].detail
+
+
 def test_flex_attention_takes_block_sparse_masks_as_a_block_mask():
     """torch-flex (FlexAttention, its eager path on a CPU: compiling costs a minute a shape
     here) on the block-sparse cases, float32: the adapter's mask_mod, BlockMask and

@@ -257,7 +257,7 @@ def _mask(case, rng):
     if case.sampled:  # billions of elements: rows drawn from PATTERNS random ones
         return _patterned(rng.random((PATTERNS, case.Nk)) < 0.6, shape)
     if case.mask in BLOCK_MASKS:
-        return _block_mask(case.mask, rng, shape)
+        return block_mask(case.mask, rng, shape)
     if case.mask == "random":
         m = rng.random(shape) < 0.6
         m[..., rng.integers(0, case.Nk, case.Nq)] = True  # keep rows non-empty
@@ -276,24 +276,25 @@ def _mask(case, rng):
     return m
 
 
-def _block_mask(kind, rng, shape):
-    """A mask of shape (..., Nq, Nk) made of BLOCK x BLOCK blocks (BLOCK_MASKS[kind])."""
+def block_mask(kind, rng, shape, block=BLOCK, density=0.25):
+    """A boolean mask of shape (..., Nq, Nk) made of block x block blocks (BLOCK_MASKS[kind];
+    `density` of the blocks kept at random where the kind draws them)."""
     *lead, n_q, n_k = shape
-    rows, cols = -(-n_q // BLOCK), -(-n_k // BLOCK)
+    rows, cols = -(-n_q // block), -(-n_k // block)
     if kind == "blocks-dense":
         return np.ones(shape, bool)
     blocks = np.zeros((*lead, rows, cols), bool)
     if kind == "blocks-one":
         blocks[..., rows // 2, cols // 2] = True
     else:
-        blocks[:] = rng.random(blocks.shape) < 0.25
+        blocks[:] = rng.random(blocks.shape) < density
         blocks[..., np.arange(rows), np.arange(rows) * cols // rows] = True
         if kind == "blocks-empty-rows":
             blocks[..., ::2, :] = False
-    m = blocks.repeat(BLOCK, axis=-2).repeat(BLOCK, axis=-1)[..., :n_q, :n_k]
+    m = blocks.repeat(block, axis=-2).repeat(block, axis=-1)[..., :n_q, :n_k]
     if kind == "blocks-ragged":
-        m[..., BLOCK - 1::BLOCK, :] = False
-        m[..., ::BLOCK] = False
+        m[..., block - 1::block, :] = False
+        m[..., ::block] = False
     return np.ascontiguousarray(m)
 
 
