@@ -24,33 +24,51 @@ CLASS_THREADS = 128  # threads of a pre-pass block: one block a tile
 
 @dataclass(frozen=True)
 class ClassesSpec:
-    """The pre-pass for tiles of block_m query rows by block_n keys."""
+    """The pre-pass for tiles of block_m query rows by block_n keys; words: the mask read as
+    int32 words of four keys (a mask whose last dimension is the keys, a multiple of 4, and
+    4-byte aligned: prepass.mask_words), else a byte a load."""
 
     block_m: int
     block_n: int
+    words: bool = False
+
+    @property
+    def span(self):
+        """Keys a load reads."""
+        return 4 if self.words else 1
 
 
 def classes_source(spec):
     """The pre-pass kernel: one block per (key tile, query tile, (batch, head) of the classes),
-    each thread testing every CLASS_THREADS-th pair of its tile."""
-    BLOCK_M, BLOCK_N = spec.block_m, spec.block_n
+    each thread testing every CLASS_THREADS-th load of its tile (a byte, or a word of four
+    keys), the loads of a warp side by side in memory."""
+    BLOCK_M, SPAN = spec.block_m, spec.span
+    LOADS_N = spec.block_n // SPAN  # loads a row of the tile
+    LOADS = -(-BLOCK_M * LOADS_N // CLASS_THREADS)  # loads a thread, unrolled
+    assert spec.block_n % SPAN == 0, spec
 
     def tile_classes(mask, mask_steps, n_q, n_k, classes):
         """classes[cb, ch, i, j] (shape (B or 1, Hq or 1, query tiles, key tiles)) of mask
-        (uint8, its broadcast dimensions' steps 0 in mask_steps) over the pairs of tile
-        (i, j) inside the n_q x n_k plane."""
+        (uint8, or int32 words of four keys; its broadcast dimensions' steps 0 in
+        mask_steps) over the pairs of tile (i, j) inside the n_q x n_k plane."""
         n_tile, m_tile = int64(cuda.blockIdx.x), int64(cuda.blockIdx.y)
         heads = classes.shape[1]
         cb, ch = int64(cuda.blockIdx.z) // heads, int64(cuda.blockIdx.z) % heads
         tid = cuda.threadIdx.x
         some, every = 0, 1
-        for p in range(tid, BLOCK_M * BLOCK_N, CLASS_THREADS):
-            row, col = m_tile * BLOCK_M + p // BLOCK_N, n_tile * BLOCK_N + p % BLOCK_N
-            if row < n_q and col < n_k:
-                if mask[cb * mask_steps[0], ch * mask_steps[1], row * mask_steps[2],
-                        col * mask_steps[3]] != 0:
+        for i in range(LOADS):
+            p = tid + i * CLASS_THREADS
+            row, at = m_tile * BLOCK_M + p // LOADS_N, n_tile * LOADS_N + p % LOADS_N
+            if p < BLOCK_M * LOADS_N and row < n_q and at * SPAN < n_k:
+                x = mask[cb * mask_steps[0], ch * mask_steps[1], row * mask_steps[2],
+                         at * mask_steps[3]]
+                if x != 0:
                     some = 1
-                else:
+                if SPAN == 1:
+                    if x == 0:
+                        every = 0
+                elif ((x & 0xFF) == 0 or (x >> 8) & 0xFF == 0 or (x >> 16) & 0xFF == 0
+                      or (x >> 24) & 0xFF == 0):
                     every = 0
         some = cuda.syncthreads_or(some)
         every = cuda.syncthreads_and(every)
@@ -64,7 +82,8 @@ def classes_source(spec):
 @lru_cache(maxsize=8)
 def classes_kernel(spec):
     """The compiled pre-pass of a ClassesSpec (through the on-disk compile cache)."""
-    return jit(classes_source(spec), ("classes", spec.block_m, spec.block_n), FASTMATH)
+    return jit(classes_source(spec), ("classes", spec.block_m, spec.block_n, spec.words),
+               FASTMATH)
 
 
 def make_tile_walk(HAS_MASK, BLOCK_N):

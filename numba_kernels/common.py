@@ -41,25 +41,35 @@ def make_masked_score(sizes):
 
     @kernel_part
     def masked_score(x, mask, bias, mask_steps, bias_steps, b, h, row, col, lo, hi,
-                     interior, n_q, read_mask):
+                     interior, n_q, read_mask, read_bias):
         """x (a scaled score, log2 units) plus the bias if query row `row` sees key `col`,
         else -inf (the contract: key_range, the mask, bias != -inf). Selected, not added: a
         NaN score of a hidden key must vanish. interior: the tile is inside every row's
         band, so lo and hi need no test; read_mask False: the mask shows every pair of the
-        tile (block_sparse.py's FULL), so it is not read."""
+        tile (block_sparse.py's FULL), so it is not read; read_bias False: the bias is the
+        zeros that stand for none (bias_given), so it is not read."""
         if not (row < n_q and (interior or (col >= lo and col < hi))):
             return NEG_INF
         if HAS_MASK:
             ms, bs = mask_steps, bias_steps  # 0 along broadcast dimensions
             if read_mask and mask[b * ms[0], h * ms[1], row * ms[2], col * ms[3]] == 0:
                 return NEG_INF
-            add = bias[b * bs[0], h * bs[1], row * bs[2], col * bs[3]]
-            if add == NEG_INF:
-                return NEG_INF
-            x += add * F_LOG2E
+            if read_bias:
+                add = bias[b * bs[0], h * bs[1], row * bs[2], col * bs[3]]
+                if add == NEG_INF:
+                    return NEG_INF
+                x += add * F_LOG2E
         return x
 
     return masked_score
+
+
+@kernel_part
+def bias_given(bias, bias_steps):
+    """Whether the bias can change a score: False for a single 0.0 broadcast everywhere (the
+    constant a call without a bias passes), whose sum leaves every score as it is."""
+    return not (bias_steps[0] == 0 and bias_steps[1] == 0 and bias_steps[2] == 0
+                and bias_steps[3] == 0 and bias[0, 0, 0, 0] == ZERO)
 
 
 # The kernel's arguments, in order: the one description from which its parameter list

@@ -156,7 +156,7 @@ def make_kv_probabilities(sizes, masked_score):
             for i in range(TK):
                 key = ty_u + uint64(i * THREADS_M)
                 x = masked_score(s[i, j] * qk_scale, mask, bias, mask_steps, bias_steps, b, h,
-                                 row, start_n + int64(key), lo, hi, False, n_q, True)
+                                 row, start_n + int64(key), lo, hi, False, n_q, True, True)
                 p = NO_PART if x == NEG_INF else math.exp2(x - lse_r)
                 ds = ZERO if x == NEG_INF else p * (dp[i, j] - delta_r)
                 words[P_AT + key * uint64(P_W) + r] = p
@@ -240,7 +240,7 @@ def make_q_probabilities(sizes, masked_score):
                 key = tx_u + uint64(j * THREADS_N)
                 x = masked_score(s[i, j] * qk_scale, mask, bias, mask_steps, bias_steps, b, h,
                                  first_row + i * THREADS_M, start_n + int64(key), lo[i],
-                                 hi[i], False, n_q, True)
+                                 hi[i], False, n_q, True, True)
                 p = NO_PART if x == NEG_INF else math.exp2(x - lse_i[i])
                 at = (ty_u + uint64(i * THREADS_M)) * uint64(P_W) + key
                 words[P_AT + at] = p  # for the slow product's test only

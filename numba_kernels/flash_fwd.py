@@ -27,7 +27,8 @@ from numba import cuda
 
 from .block_sparse import make_tile_walk
 from .common import (ARG_NAMES, F_LN2, NEG_INF, NO_PART, STATIC_SHARED_LIMIT, ZERO,
-                     check_parameters, kernel_part, make_masked_score, takes_part)
+                     bias_given, check_parameters, kernel_part, make_masked_score,
+                     takes_part)
 from .convert import float32, int64, uint64, CONVERTERS, device_function, load4
 from .schedule import block_program, key_range_device, key_tiles
 
@@ -234,7 +235,8 @@ def make_scale_and_mask(sizes, masked_score):
 
     @kernel_part
     def scale_and_mask(words, s, qk_scale, mask, bias, mask_steps, bias_steps, b, h,
-                       first_row, first_key, lo, hi, interior, n_q, read_mask, ty_u, tx_u):
+                       first_row, first_key, lo, hi, interior, n_q, read_mask, read_bias,
+                       ty_u, tx_u):
         """S = S * qk_scale (+ bias), -inf where a row does not see a key (masked_score);
         scaled first, as in the reference: a scale <= 0 must not turn a masked -inf into
         +inf or NaN. The thread's max of each of its rows goes to the row statistics.
@@ -246,7 +248,7 @@ def make_scale_and_mask(sizes, masked_score):
                 s[i, j] = masked_score(s[i, j] * qk_scale, mask, bias, mask_steps,
                                        bias_steps, b, h, first_row + i * THREADS_M,
                                        first_key + j * THREADS_N, lo[i], hi[i], interior, n_q,
-                                       read_mask)
+                                       read_mask, read_bias)
                 tile_max = max(tile_max, s[i, j])
             words[STAT_AT + (ty_u + uint64(i * THREADS_M)) * uint64(THREADS_N) + tx_u] = \
                 tile_max
@@ -438,7 +440,8 @@ def kernel_source(spec):
     FRAG = 2 * VEC  # local-array shapes must be closure ints, not expressions
     (load_q, init_rows, load_k, scores, scale_and_mask, online_softmax, load_v, pv,
      pv_seen_keys, store_out) = device_functions(spec)
-    visible_from, _, reads_mask = make_tile_walk(spec.has_mask, BLOCK_N)
+    HAS_MASK = spec.has_mask
+    visible_from, _, reads_mask = make_tile_walk(HAS_MASK, BLOCK_N)
 
     def flash_fwd(q, k, v, mask, classes, bias, kv_lengths, out, lse, n_q, d, d_v, group,
                   heads_q, n_tiles, split_len, qk_scale, left, right, bottom_right, mask_steps,
@@ -475,6 +478,7 @@ def kernel_source(spec):
             split, split_len, BLOCK_N)
         d_steps = (d + FRAG - 1) // FRAG  # scores' steps: head-dim columns past d are zeros
         cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's tile classes
+        biased = HAS_MASK and bias_given(bias, bias_steps)
         start_n = visible_from(classes, cb, ch, tile, first, last)  # tiles no row sees: none
         while start_n < last:
             # Keys left from start_n: the last tile may be partial (its rows past them are
@@ -489,7 +493,7 @@ def kernel_source(spec):
             scores(words, s, frag, ty_u, tx_u, d_steps)
             scale_and_mask(words, s, qk_scale, mask, bias, mask_steps, bias_steps, b, h,
                            start_m + ty, start_n + tx, lo, hi, interior, n_q,
-                           reads_mask(classes, cb, ch, tile, start_n), ty_u, tx_u)
+                           reads_mask(classes, cb, ch, tile, start_n), biased, ty_u, tx_u)
             cuda.syncthreads()  # Barrier: every thread's row maxima are written.
             online_softmax(words, s, m_i, l_i, acc, ty_u, tx_u)
             cuda.syncthreads()  # Barrier: P is written and K is read: V may take its words.

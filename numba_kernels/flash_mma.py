@@ -14,8 +14,8 @@ from numba import cuda
 
 from . import halves, warp
 from .block_sparse import make_tile_walk
-from .common import (ARGS, FASTMATH, F_LN2, NEG_INF, NO_PART, ZERO, check_parameters, kernel_part,
-                     make_masked_score)
+from .common import (ARGS, FASTMATH, F_LN2, NEG_INF, NO_PART, ZERO, bias_given, check_parameters,
+                     kernel_part, make_masked_score)
 from .compile_cache import jit
 from .convert import CONVERTERS, float32, int64, uint32
 from .mma_parts import (BLOCK_M, BLOCK_N, EXPONENT_BITS, FACTORS, FLAG_ROWS,
@@ -352,7 +352,7 @@ def kernel_source(spec):
     K_ROW, STAGE, K_TILE = lay["k_row"], lay["stage"], lay["k_tile"]  # V K_TILE words after K
     WORDS = 0 if spec.halves else lay["words"]  # 0: dynamic, as the launch makes it
     NB, VB, KSTEPS = BLOCK_N // 8, DV // 8, D // 16
-    CAREFUL, HALVES = spec.careful, spec.halves
+    CAREFUL, HALVES, HAS_MASK = spec.careful, spec.halves, spec.has_mask
     EXACT = HALVES and CAREFUL  # scores_exact for tile pairs holding a NaN or an inf
     if HALVES:
         copy_kv, copy_q, scores, pv, pv_seen_pairs = halves.forward_parts(spec)
@@ -401,6 +401,7 @@ def kernel_source(spec):
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
             split, split_len, BLOCK_N)
         cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's tile classes
+        biased = HAS_MASK and bias_given(bias, bias_steps)
         first = visible_from(classes, cb, ch, tile, first, last)  # tiles no row sees: none
         q_bad = HALVES and own_flagged(q_flags, b, h, start_m)  # scores_exact's
         if HALVES and not CAREFUL and tiles_flagged(k_flags, k_flags, b, hk, 1, first,
@@ -424,7 +425,7 @@ def kernel_source(spec):
             interior = start_n >= lo_last and start_n + BLOCK_N <= hi_first  # all rows see it
             scale_and_mask(s, qk, mask, bias, mask_steps, bias_steps, b, h, row0,
                            start_n, lo, hi, interior, whole_rows, n_q,
-                           reads_mask(classes, cb, ch, tile, start_n), lane)
+                           reads_mask(classes, cb, ch, tile, start_n), biased, lane)
             # the same answer for the whole block (tile_nonfinite's barrier)
             nonfinite_v = CAREFUL and tile_nonfinite(words, at + K_TILE)
             online_softmax(s, m_i, l_i, acc, nonfinite_v)

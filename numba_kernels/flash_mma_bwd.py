@@ -317,7 +317,7 @@ def make_kv_probabilities(NB, masked_score, HAS_MASK, P_FACTOR, DS_FACTOR):
                     x = s[nb, e] * qk_scale
                     if HAS_MASK or not interior:
                         x = masked_score(x, mask, bias, mask_steps, bias_steps, b, h, col,
-                                         key0 + 8 * half, lo, hi, False, n_q, True)
+                                         key0 + 8 * half, lo, hi, False, n_q, True, True)
                     p = NO_PART if x == NEG_INF else math.exp2(x - lse_col)
                     dp[nb, e] = ZERO if x == NEG_INF else \
                         p * (dp[nb, e] - delta_col) * DS_FACTOR
@@ -772,7 +772,7 @@ def dq_kernel_source(spec):
             scores_dp(words, at + V_AT, do_frag, dp, lane)
             interior = start_n >= lo_last and start_n + KEY_TILE <= hi_first
             scale_and_mask(s, qk, mask, bias, mask_steps, bias_steps, b, h, row0,
-                           start_n, lo, hi, interior, whole_rows, n_q, True, lane)
+                           start_n, lo, hi, interior, whole_rows, n_q, True, True, lane)
             q_probabilities(s, dp, lse_r, delta_r)
             add_dq(words, at, s, dp, dq_acc, lane,  # dQ += dS K
                    BRANCHED and k_flags[b, hk, start_n // FLAG_ROWS] != 0)

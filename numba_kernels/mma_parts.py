@@ -147,13 +147,14 @@ def make_scores(D, K_ROW, mma, KEYS=BLOCK_N):
 def make_scale_and_mask(masked_score, HAS_MASK):
     @kernel_part
     def scale_and_mask(s, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0, start_n,
-                       lo, hi, interior, whole_rows, n_q, read_mask, lane):
+                       lo, hi, interior, whole_rows, n_q, read_mask, read_bias, lane):
         """S * qk_scale (+ bias), -inf where a row does not see a key. Element e of n-block
         nb is row row0 + 8 (e // 2), key start_n + 8 nb + 2 t + e % 2. Most tiles are
-        interior (every row sees every key) in a block whose rows all exist: without a mask
-        or bias, there S * qk_scale is all (masked_score's tests cost 8 instructions an
-        element). read_mask False: the mask shows every pair of the tile (not read)."""
-        if not HAS_MASK and interior and whole_rows:
+        interior (every row sees every key) in a block whose rows all exist: where neither
+        mask nor bias is read there (no mask, or a FULL tile of one without a bias),
+        S * qk_scale is all (masked_score's tests cost 8 instructions an element).
+        read_mask False: the mask shows every pair of the tile; read_bias False: no bias."""
+        if (not HAS_MASK or not (read_mask or read_bias)) and interior and whole_rows:
             for nb in range(BLOCK_N // 8):
                 for e in range(4):
                     s[nb, e] *= qk_scale
@@ -165,7 +166,7 @@ def make_scale_and_mask(masked_score, HAS_MASK):
                 s[nb, e] = masked_score(s[nb, e] * qk_scale, mask, bias, mask_steps,
                                         bias_steps, b, h, row0 + 8 * half,
                                         start_n + 8 * nb + 2 * t + e % 2, lo[half], hi[half],
-                                        interior, n_q, read_mask)
+                                        interior, n_q, read_mask, read_bias)
 
     return scale_and_mask
 

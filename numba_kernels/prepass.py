@@ -4,6 +4,8 @@ into float16 halves (halves.py) and 16-bit inputs' tiles flagged where they hold
 inf (flash_mma_bwd.py's scan)."""
 import numpy as np
 
+from reference.memory import span
+
 from .block_sparse import CLASS_THREADS, ClassesSpec, classes_kernel
 from .flash_mma_bwd import SCAN_THREADS, ScanSpec, scan_kernel
 from .halves import ABS_BLOCKS, SLOTS, THREADS as HALVES_THREADS, HalvesSpec, halves_kernel
@@ -22,11 +24,25 @@ def class_prepass(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n):
     batch, heads = (pb.batch if mask_steps[0] else 1), (pb.heads_q if mask_steps[1] else 1)
     classes = io.scratch((batch, heads, max(tiles_m, 1), max(tiles_n, 1)))
     if tiles_m * tiles_n:
-        spec = ClassesSpec(block_m, block_n)
+        words = mask_words(mask_dev, pb.n_k)
+        spec = ClassesSpec(block_m, block_n, words is not None)
         launch(classes_kernel(spec), spec, (tiles_n, tiles_m, batch * heads), CLASS_THREADS,
-               io.stream, mask_dev, tuple(int(x) for x in mask_steps), pb.n_q, pb.n_k,
-               classes)
+               io.stream, mask_dev if words is None else words,
+               tuple(int(x) for x in mask_steps), pb.n_q, pb.n_k, classes)
     return classes
+
+
+def mask_words(mask_dev, n_k):
+    """mask_dev (uint8 on the device, C-contiguous, 4-D) as int32 words of four keys along
+    its last dimension, no copy, where that dimension is the n_k keys, a multiple of 4, and
+    starts 4-byte aligned; else None (the pre-pass reads a byte a load)."""
+    start = span(mask_dev)
+    if mask_dev.shape[3] != n_k or n_k % 4 or start is None or start[0] % 4:
+        return None
+    if type(mask_dev).__module__.startswith("torch"):
+        import torch
+        return mask_dev.view(torch.int32)
+    return mask_dev.view(np.int32)  # Numba and CuPy device arrays
 
 
 def halves_prepass(io, named, names=SLOTS):

@@ -98,7 +98,8 @@ def classes_specs():
     """The tile-class pre-passes (block_sparse.py) at the tile sizes of the forward kernels
     that read a mask: each masked SIMT variant's and the tensor-core kernel's."""
     sizes = {(s.block_m, s.block_n) for s in shipped_specs() if s.has_mask}
-    return [ClassesSpec(m, n) for m, n in sorted(sizes | {(MMA_BLOCK_M, MMA_BLOCK_N)})]
+    return [ClassesSpec(m, n, words) for m, n in sorted(sizes | {(MMA_BLOCK_M, MMA_BLOCK_N)})
+            for words in (False, True)]
 
 
 def shipped_specs():
@@ -169,7 +170,8 @@ def mma_bwd_signature(spec):
 
 def classes_signature(spec):
     """Argument types of the tile-class pre-pass (block_sparse.classes_source)."""
-    return (uint8[:, :, :, ::1], UniTuple(int64, 4), int64, int64, uint8[:, :, :, ::1])
+    mask = int32[:, :, :, ::1] if spec.words else uint8[:, :, :, ::1]
+    return (mask, UniTuple(int64, 4), int64, int64, uint8[:, :, :, ::1])
 
 
 def halves_signature(spec):

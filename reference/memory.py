@@ -27,6 +27,14 @@ def overlaps(a, b):
     """Whether arrays a and b (NumPy, torch, CuPy or Numba device arrays) share any byte of
     memory in one address space (host or device)."""
     sa, sb = span(a), span(b)
-    same_space = (hasattr(a, "__cuda_array_interface__") or getattr(a, "is_cuda", False)) == (
-        hasattr(b, "__cuda_array_interface__") or getattr(b, "is_cuda", False))
+    same_space = on_device(a) == on_device(b)
     return bool(sa and sb and same_space and sa[0] < sb[1] and sb[0] < sa[1])
+
+
+def on_device(x):
+    """Whether array x lies in device memory. A torch tensor is asked is_cuda, never
+    __cuda_array_interface__: a CUDA tensor that requires grad raises RuntimeError there,
+    which hasattr does not swallow."""
+    if hasattr(x, "data_ptr"):  # torch
+        return bool(x.is_cuda)
+    return hasattr(x, "__cuda_array_interface__")

@@ -43,14 +43,14 @@ def test_the_prepass_classes_tiles_as_the_reference_does(n_q, n_k, tiles, shape,
 @pytest.mark.parametrize("kernel,dtype", [("simt", "float32"), ("mma", "float16")])
 def test_the_forward_kernels_skip_and_trust_the_classes(monkeypatch, kernel, dtype):
     """With the true classes the masked result; with every tile SKIP nothing is visited (zeros,
-    lse -inf); with every tile FULL no mask is read (the unmasked result): the kernels walk
-    the classes, they do not merely receive them."""
+    lse -inf); with every tile FULL no mask is read (the unmasked result), but a bias still
+    is: the kernels walk the classes, they do not merely receive them."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 1, 64, 16)).astype(dtype) for _ in range(3))
     mask = rng.random((1, 1, 64, 64)) < 0.5  # every tile partly visible
     true = forward.class_prepass
 
-    def run(fill=None):
+    def run(fill=None, bias=None):
         def classes(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n):
             got = true(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n)
             if fill is not None:
@@ -58,7 +58,7 @@ def test_the_forward_kernels_skip_and_trust_the_classes(monkeypatch, kernel, dty
             return got
 
         monkeypatch.setattr(forward, "class_prepass", classes)
-        return flash_attention(q, k, v, mask=mask, kernel=kernel, return_lse=True)
+        return flash_attention(q, k, v, mask=mask, bias=bias, kernel=kernel, return_lse=True)
 
     def close(got, want):
         return np.allclose(np.asarray(got, np.float64), want, atol=2e-3, rtol=2e-3)
@@ -73,3 +73,37 @@ def test_the_forward_kernels_skip_and_trust_the_classes(monkeypatch, kernel, dty
     assert (np.asarray(out) == 0).all() and np.isneginf(np.asarray(lse)).all()
     out, _ = run(FULL)
     assert close(out, plain) and not close(out, masked)
+    bias = rng.standard_normal((1, 1, 64, 64)).astype(np.float32)
+    biased = reference.attention(q.astype(np.float64), k.astype(np.float64),
+                                 v.astype(np.float64), bias=bias)
+    out, _ = run(FULL, bias)
+    assert close(out, biased) and not close(out, plain)
+
+
+@pytest.mark.parametrize("n_k,offset,words", [(36, 0, True), (37, 0, False), (36, 1, False)])
+def test_the_prepass_reads_words_of_four_keys_where_it_can(n_k, offset, words):
+    """A mask whose keys are a multiple of 4 and 4-byte aligned is read as int32 words
+    (prepass.mask_words), else a byte a load: the same classes either way, against the
+    reference, with tiles whose rows and keys end partway."""
+    from numba_kernels.prepass import mask_words
+
+    rng = np.random.default_rng(n_k + offset)
+    b, h, n_q = 2, 3, 45
+    bytes_ = (rng.random(b * n_q * n_k + offset) < 0.8).astype(np.uint8)
+    bytes_[offset::7] = 0  # a hidden pair now and then: PARTIAL tiles beside FULL ones
+    mask = bytes_[offset:].reshape(b, 1, n_q, n_k).view(bool)
+    mask[1] = True  # batch 1: FULL tiles, a SKIP one, and PARTIAL ones by one pair each,
+    mask[1, 0, 32:, :16] = False  # at each of the four bytes of a word in turn
+    for at, (i, j) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+        mask[1, 0, 16 * i + 3, 16 * j + at] = False
+    q = np.zeros((b, h, n_q, 8), np.float32)
+    k = v = np.zeros((b, h, n_k, 8), np.float32)
+    pb, io, _, _ = begin(q, k, v, None, False, mask, None, None, None)
+    mask_dev, _, _, steps = side_inputs(io, pb, mask, None, None)
+    if offset:  # the device copy of a host array is aligned: shift it on the device
+        wide = io.dev(bytes_.reshape(1, 1, 1, -1))
+        mask_dev = wide[:, :, :, offset:].reshape(b, 1, n_q, n_k)
+    assert (mask_words(mask_dev, n_k) is not None) == words
+    got = _host(class_prepass(io, pb, mask_dev, steps["mask_steps"], True, 16, 16))
+    want = tile_classes(np.broadcast_to(mask, (b, 1, n_q, n_k)), 16, 16)
+    assert (got == want).all() and {SKIP, FULL} <= set(np.unique(got)), (got, want)

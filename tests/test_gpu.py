@@ -243,3 +243,21 @@ def test_float32_by_default_errs_as_torchs_float32_math_does(name):
                                                   (2, 3, 3, 3)):
         for ours_err, math_err in zip(errors(mine, want), errors(theirs, want)):
             assert ours_err <= allowed * math_err, (what, ours_err, math_err)
+
+
+def test_autograd_on_cuda_tensors_that_require_grad_gives_the_backward_kernels_gradients():
+    """flash_attention on CUDA tensors that require grad (the operator, autograd.py), with a
+    mask: the gradients are flash_attention_backward's on the same inputs, bitwise."""
+    from numba_kernels import flash_attention, flash_attention_backward
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 200, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+               .requires_grad_() for _ in "qkv")
+    mask = torch.rand(1, 1, 200, 200, device="cuda", generator=g) < 0.3
+    dout = torch.randn_like(q)
+    out, lse = flash_attention(q, k, v, mask=mask, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    with torch.no_grad():
+        want = flash_attention_backward(q, k, v, out, lse, dout, mask=mask)
+    for got, kernel in zip(grads, want):
+        assert torch.equal(got, kernel)

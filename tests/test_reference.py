@@ -261,3 +261,36 @@ def test_tile_classes_refuse_what_they_cannot_read():
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="block_n must be a positive integer"):
             tile_classes(np.ones((4, 4), bool), 2, bad)
+
+
+class _GradTensor:
+    """Stands in for a torch CUDA tensor that requires grad: asked for
+    __cuda_array_interface__, it raises RuntimeError (not AttributeError)."""
+
+    def __init__(self, base):
+        self.base = base
+        self.shape, self.is_cuda = base.shape, True
+
+    def data_ptr(self):
+        return self.base.__array_interface__["data"][0]
+
+    def stride(self):
+        return tuple(s // self.base.itemsize for s in self.base.strides)
+
+    def element_size(self):
+        return self.base.itemsize
+
+    @property
+    def __cuda_array_interface__(self):
+        raise RuntimeError("Can't get __cuda_array_interface__ on Variable that requires grad")
+
+
+def test_overlaps_finds_shared_bytes_and_never_asks_a_tensor_for_its_cuda_interface():
+    from reference.memory import on_device, overlaps
+
+    x = np.zeros((4, 6))
+    assert overlaps(x[1:3], x[2:]) and not overlaps(x[:2], x[2:]) and not overlaps(x, x.copy())
+    assert overlaps(x[:, ::2], x[:, 1::2])  # interleaved columns: spans cross (a bound, not exact)
+    a, b = _GradTensor(x[:2]), _GradTensor(x[1:])
+    assert on_device(a) and not on_device(x)
+    assert overlaps(a, b) and not overlaps(a, x[1:])  # device and host: different spaces
