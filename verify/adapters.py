@@ -504,8 +504,10 @@ def _torch_flex():
     return Implementation(
         "torch-flex", fn,
         # Bitwise batch invariance is not promised (the compiled kernels' tiles and
-        # algorithms are chosen per problem size).
-        Supports(batch_invariant=False),
+        # algorithms are chosen per problem size). A NaN or an inf in V at a key a row does
+        # not see reaches that row (0 * NaN in P V, as in PyTorch's SDPA backends; measured on
+        # an H200: docs/findings.md), so hidden non-finite values are not claimed.
+        Supports(batch_invariant=False, nonfinite_hidden=False),
         array="torch", device="cuda" if on_gpu else "cpu",
         version=f"torch {torch.__version__}" + ("" if on_gpu else ", eager"),
         timeout_s=300.0,  # a new shape is compiled at its first call
