@@ -161,9 +161,9 @@ class NumpyIO:
     def empty(self, shape, dtype):
         return Pending(shape, dtype)
 
-    def scratch(self, shape):
-        """uint8 on the device, for the kernels' own use: never copied back."""
-        return cuda.device_array(shape, np.uint8)
+    def scratch(self, shape, dtype="uint8"):
+        """uint8 (or dtype) on the device, for the kernels' own use: never copied back."""
+        return cuda.device_array(shape, np.dtype(dtype))
 
     @staticmethod
     def words(x):
@@ -234,8 +234,8 @@ class TorchIO:
         return replay.allocated(self.torch.empty(shape, dtype=getattr(self.torch, dtype),
                                                  device=self.device))
 
-    def scratch(self, shape):
-        return replay.allocated(self.torch.empty(shape, dtype=self.torch.uint8,
+    def scratch(self, shape, dtype="uint8"):
+        return replay.allocated(self.torch.empty(shape, dtype=getattr(self.torch, dtype),
                                                  device=self.device))
 
     def words(self, x):

@@ -80,8 +80,9 @@ ARGS = (
     ("k", "input", "(B, Hk, Nk, D) keys"),
     ("v", "input", "(B, Hk, Nk, DV) values"),
     ("mask", "mask", "uint8, 0 hides a key; broadcast by zero strides (all ones if none)"),
-    ("classes", "classes", "uint8 (B or 1, Hq or 1, query tiles, key tiles): the mask's tiles "
-     "at the kernel's tile sizes, SKIP, PARTIAL or FULL (block_sparse.py); read with a mask"),
+    ("visible", "visible", "int32 (B or 1, Hq or 1, query tiles, 1 + key tiles): each query "
+     "tile's count of key tiles the mask does not skip, then those tiles, 2 j + 1 where "
+     "partly visible, 2 j where fully (block_sparse.py); read with a mask"),
     ("bias", "bias", "float32, added to the scores (natural log); broadcast likewise"),
     ("kv_lengths", "lengths", "(B,) int32: the keys each batch element has"),
     ("out", "output", "(B, Hq, Nq, DV); with split-KV (splits * B, ...) float32 partials"),

@@ -441,9 +441,9 @@ def kernel_source(spec):
     (load_q, init_rows, load_k, scores, scale_and_mask, online_softmax, load_v, pv,
      pv_seen_keys, store_out) = device_functions(spec)
     HAS_MASK = spec.has_mask
-    visible_from, _, reads_mask = make_tile_walk(HAS_MASK, BLOCK_N)
+    walk_range, tile_start, reads_mask, WALK_STEP = make_tile_walk(HAS_MASK, BLOCK_N)
 
-    def flash_fwd(q, k, v, mask, classes, bias, kv_lengths, out, lse, n_q, d, d_v, group,
+    def flash_fwd(q, k, v, mask, visible, bias, kv_lengths, out, lse, n_q, d, d_v, group,
                   heads_q, n_tiles, split_len, qk_scale, left, right, bottom_right, mask_steps,
                   bias_steps):
         # One shared array, carved by KernelSpec.offsets; at offset 0 of the block's shared
@@ -477,10 +477,11 @@ def kernel_source(spec):
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
             split, split_len, BLOCK_N)
         d_steps = (d + FRAG - 1) // FRAG  # scores' steps: head-dim columns past d are zeros
-        cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's tile classes
+        cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's visible list
         biased = HAS_MASK and bias_given(bias, bias_steps)
-        start_n = visible_from(classes, cb, ch, tile, first, last)  # tiles no row sees: none
-        while start_n < last:
+        t0, t1 = walk_range(visible, cb, ch, tile, first, last)  # tiles no row sees: none
+        for t in range(t0, t1, WALK_STEP):
+            start_n = tile_start(visible, cb, ch, tile, t, t1, first, last)
             # Keys left from start_n: the last tile may be partial (its rows past them are
             # loaded as zeros). Not min(last, start_n + BLOCK_N): that costs registers.
             n_keys = last - start_n
@@ -493,7 +494,7 @@ def kernel_source(spec):
             scores(words, s, frag, ty_u, tx_u, d_steps)
             scale_and_mask(words, s, qk_scale, mask, bias, mask_steps, bias_steps, b, h,
                            start_m + ty, start_n + tx, lo, hi, interior, n_q,
-                           reads_mask(classes, cb, ch, tile, start_n), biased, ty_u, tx_u)
+                           reads_mask(visible, cb, ch, tile, t), biased, ty_u, tx_u)
             cuda.syncthreads()  # Barrier: every thread's row maxima are written.
             online_softmax(words, s, m_i, l_i, acc, ty_u, tx_u)
             cuda.syncthreads()  # Barrier: P is written and K is read: V may take its words.
@@ -504,7 +505,6 @@ def kernel_source(spec):
                 pv(words, acc, frag, v_cols, ty_u, tx_u, min(BLOCK_N, n_keys))
             else:
                 pv_seen_keys(words, acc, v_cols, s, ty_u, tx_u)
-            start_n = visible_from(classes, cb, ch, tile, start_n + BLOCK_N, last)
         store_out(words, out, lse, m_i, l_i, acc, out_b, h, start_m, start_m + ty, n_q, d_v,
                   ty_u, tx_u)
 

@@ -362,7 +362,7 @@ def kernel_source(spec):
         P_FACTOR, P_BACK = ONE, None
     load_q = make_load_q(copy_q, copy_kv, make_load_q_fragments(D, K_ROW), STAGE)
     this_block, next_tile = make_this_block(CAREFUL), make_next_tile(copy_kv, STAGE)
-    visible_from, skipped, reads_mask = make_tile_walk(spec.has_mask, BLOCK_N)
+    walk_range, tile_start, reads_mask, WALK_STEP = make_tile_walk(spec.has_mask, BLOCK_N)
     init_rows = make_init_rows(VB)
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
                                          spec.has_mask)
@@ -374,7 +374,7 @@ def kernel_source(spec):
     store_out = make_store_out(DV, CONVERTERS["float32" if spec.partial else spec.dtype][1],
                                P_BACK)
 
-    def flash_mma(q, k, v, mask, classes, bias, kv_lengths, q_flags, k_flags, factors,
+    def flash_mma(q, k, v, mask, visible, bias, kv_lengths, q_flags, k_flags, factors,
                   deferred, out, lse, n_q, d, d_v, group, heads_q, split_len, qk_scale, left,
                   right, bottom_right, mask_steps, bias_steps):
         words = cuda.shared.array(WORDS, uint32)  # two stages; Q lands in the second first
@@ -400,24 +400,24 @@ def kernel_source(spec):
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
             split, split_len, BLOCK_N)
-        cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's tile classes
+        cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's visible list
         biased = HAS_MASK and bias_given(bias, bias_steps)
-        first = visible_from(classes, cb, ch, tile, first, last)  # tiles no row sees: none
+        t0, t1 = walk_range(visible, cb, ch, tile, first, last)  # tiles no row sees: none
+        start_n = tile_start(visible, cb, ch, tile, t0, t1, first, last)
         q_bad = HALVES and own_flagged(q_flags, b, h, start_m)  # scores_exact's
-        if HALVES and not CAREFUL and tiles_flagged(k_flags, k_flags, b, hk, 1, first,
+        if HALVES and not CAREFUL and tiles_flagged(k_flags, k_flags, b, hk, 1, start_n,
                                                     last - 1, tid, q_bad):
             if tid == 0:  # a Q or K tile holds a NaN or an inf: the careful variant's block
                 deferred[ob, h, tile] = 1
             return
         qk, out_factor = forward_factors(factors, qk_scale)
         init_rows(m_i, l_i, acc, lo, hi, row0, n_q, kv_len, left, right, bottom_right)
-        load_q(words, q, k, v, q_base, k_base, v_base, start_m, first, last, n_q, d, d_v,
+        load_q(words, q, k, v, q_base, k_base, v_base, start_m, start_n, last, n_q, d, d_v,
                q_frag, lane, w)
         stage = 0
-        for start_n in range(first, last, BLOCK_N):
-            if skipped(classes, cb, ch, tile, start_n):
-                continue  # no row sees it: not fetched (next_tile fetches the next visible)
-            following = visible_from(classes, cb, ch, tile, start_n + BLOCK_N, last)
+        for t in range(t0, t1, WALK_STEP):
+            start_n = tile_start(visible, cb, ch, tile, t, t1, first, last)
+            following = tile_start(visible, cb, ch, tile, t + WALK_STEP, t1, first, last)
             next_tile(words, k, v, k_base, v_base, following, last, d, d_v, stage)
             at = stage * STAGE
             scores(words, at, q_frag, s, lane, w,  # S = Q K^T
@@ -425,7 +425,7 @@ def kernel_source(spec):
             interior = start_n >= lo_last and start_n + BLOCK_N <= hi_first  # all rows see it
             scale_and_mask(s, qk, mask, bias, mask_steps, bias_steps, b, h, row0,
                            start_n, lo, hi, interior, whole_rows, n_q,
-                           reads_mask(classes, cb, ch, tile, start_n), biased, lane)
+                           reads_mask(visible, cb, ch, tile, t), biased, lane)
             # the same answer for the whole block (tile_nonfinite's barrier)
             nonfinite_v = CAREFUL and tile_nonfinite(words, at + K_TILE)
             online_softmax(s, m_i, l_i, acc, nonfinite_v)

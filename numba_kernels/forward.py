@@ -14,7 +14,7 @@ from .mma_parts import BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, mma_width
 from .plain_fwd import PLAIN_ARG_NAMES, plain_kernel, plain_tiles
 from .plan import (call_plan, check_kernel, halves_range_why_not, halves_summed, mma_plan,
                    resolve_precision)
-from .prepass import class_prepass, halves_prepass
+from .prepass import class_prepass, halves_prepass, list_prepass
 from .specs import build_kernel, build_merge, choose_spec, launch_grid, pad
 from .split_kv import choose_splits, split_layout
 
@@ -33,14 +33,16 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
     precision = resolve_precision(precision, q)
     key = None
     halves = dtype_of(q) == "float32" and kernel != "simt"
-    if mask is None and bias is None and kv_lengths is None and spec is None and not halves:
-        # (float32 on halves is not replayed: the values' range decides the kernel)
-        key = replay_key(q, k, v, scale, causal, window, return_lse, num_splits, kernel,
-                         precision)
+    inputs = (q, k, v) + tuple(x for x in (mask, bias) if x is not None)
+    if kv_lengths is None and spec is None and not halves:
+        # (float32 on halves is not replayed: the values' range decides the kernel; nor are
+        # kv_lengths, whose values the host reads)
+        key = replay_key(inputs, scale, causal, window, return_lse, num_splits, kernel,
+                         precision, mask is not None, bias is not None)
         found = replay.find(key)
         if found is not None:
-            return found.run((q, k, v))
-    with replay.recording(key, (q, k, v)) as recorded:
+            return found.run(inputs)
+    with replay.recording(key, inputs) as recorded:
         pb, io, out, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
         plan = call_plan(pb, kernel, spec, mask is not None or bias is not None, precision,
                          dict(q=q, k=k, v=v))
@@ -55,12 +57,14 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
     return results(io, out, lse, return_lse)
 
 
-def replay_key(q, k, v, scale=None, causal=False, window=None, return_lse=False,
-               num_splits=None, kernel="auto", precision="highest"):
-    """The layout under which forward records and replays a call without mask, bias,
-    kv_lengths or spec (replay.call_key; None: not one to replay)."""
-    return replay.call_key((q, k, v), (scale, causal, window, return_lse, num_splits, kernel,
-                                       precision))
+def replay_key(inputs, scale=None, causal=False, window=None, return_lse=False,
+               num_splits=None, kernel="auto", precision="highest", masked=False,
+               biased=False):
+    """The layout under which forward records and replays a call without kv_lengths or spec
+    (replay.call_key; None: not one to replay): inputs are q, k, v, then the mask and the
+    bias that were given (masked, biased)."""
+    return replay.call_key(inputs, (scale, causal, window, return_lse, num_splits, kernel,
+                                    precision, masked, biased))
 
 
 def simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec):
@@ -79,12 +83,12 @@ def simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, 
             raise ValueError(f"spec {spec} does not fit D={pb.d}, Dv={pb.dv}, {pb.dtype}, "
                              f"mask or bias={'yes' if has_mask else 'no'}, {n_splits} split(s)")
         mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
-        classes = class_prepass(io, pb, mask_dev, steps["mask_steps"], has_mask, spec.block_m,
-                                spec.block_n)
+        visible = list_prepass(io, class_prepass(io, pb, mask_dev, steps["mask_steps"],
+                                                 has_mask, spec.block_m, spec.block_n))
         dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
         blocks, threads, n_tiles = launch_grid(pb.n_q, pb.batch, pb.heads_q, spec, n_splits)
         launch(build_kernel(spec), spec, blocks, threads, io.stream, *kernel_args(
-            q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, classes=classes, bias=bias_dev,
+            q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, visible=visible, bias=bias_dev,
             kv_lengths=lengths, out=io.dev(dest[0]), lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d,
             d_v=pb.dv, group=pb.group, heads_q=pb.heads_q, n_tiles=n_tiles,
             split_len=split_len, **band(pb), **steps))
@@ -175,8 +179,8 @@ def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, s
                                       num_splits)
         mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
         has_mask = mask is not None or bias is not None
-        classes = class_prepass(io, pb, mask_dev, steps["mask_steps"], has_mask, MMA_BLOCK_M,
-                                MMA_BLOCK_N)
+        visible = list_prepass(io, class_prepass(io, pb, mask_dev, steps["mask_steps"],
+                                                 has_mask, MMA_BLOCK_M, MMA_BLOCK_N))
         dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
         deferred = io.scratch((n_splits * pb.batch, pb.heads_q, q_tiles))
         named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v))
@@ -186,7 +190,7 @@ def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, s
         else:  # not read by the 16-bit variants
             flags = dict(q_flags=deferred, k_flags=deferred, factors=io.flat(io.dev(dest[1])))
         args = kernel_args(
-            MMA_ARG_NAMES, **named, **flags, mask=mask_dev, classes=classes, bias=bias_dev,
+            MMA_ARG_NAMES, **named, **flags, mask=mask_dev, visible=visible, bias=bias_dev,
             kv_lengths=lengths, deferred=deferred, out=io.dev(dest[0]), lse=io.dev(dest[1]),
             n_q=pb.n_q, d=pb.d, d_v=pb.dv, group=pb.group, heads_q=pb.heads_q,
             split_len=split_len, **band(pb), **steps)

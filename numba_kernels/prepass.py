@@ -1,12 +1,13 @@
 """The pre-passes, launched before the kernels with no wait for the host: a mask's tile classes
-(block_sparse.py) for the forward kernels, and for the tensor-core kernels float32 inputs split
+and each query tile's list of visible key tiles (block_sparse.py) for the forward kernels, and for the tensor-core kernels float32 inputs split
 into float16 halves (halves.py) and 16-bit inputs' tiles flagged where they hold a NaN or an
 inf (flash_mma_bwd.py's scan)."""
 import numpy as np
 
 from reference.memory import span
 
-from .block_sparse import CLASS_THREADS, ClassesSpec, classes_kernel
+from .block_sparse import (CLASS_THREADS, LIST_THREADS, ClassesSpec, ListsSpec, classes_kernel,
+                           lists_kernel)
 from .flash_mma_bwd import SCAN_THREADS, ScanSpec, scan_kernel
 from .halves import ABS_BLOCKS, SLOTS, THREADS as HALVES_THREADS, HalvesSpec, halves_kernel
 from .launch import launch
@@ -14,12 +15,12 @@ from .mma_parts import FLAG_ROWS
 
 
 def class_prepass(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n):
-    """The tile classes a forward kernel with tiles of block_m x block_n reads (block_sparse.py):
+    """The tile classes of a forward kernel with tiles of block_m x block_n (block_sparse.py):
     (B or 1, Hq or 1, query tiles, key tiles) uint8 on the device, the batch and head
     dimensions the mask's (mask_dev, as side_inputs gives it, with its steps); without a mask
-    or bias (has_mask False) an array the kernel does not read. No wait for the host."""
+    or bias (has_mask False) None. No wait for the host."""
     if not has_mask:
-        return io.scratch((1, 1, 1, 1))
+        return None
     tiles_m, tiles_n = -(-pb.n_q // block_m), -(-pb.n_k // block_n)
     batch, heads = (pb.batch if mask_steps[0] else 1), (pb.heads_q if mask_steps[1] else 1)
     classes = io.scratch((batch, heads, max(tiles_m, 1), max(tiles_n, 1)))
@@ -30,6 +31,20 @@ def class_prepass(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n):
                io.stream, mask_dev if words is None else words,
                tuple(int(x) for x in mask_steps), pb.n_q, pb.n_k, classes)
     return classes
+
+
+def list_prepass(io, classes):
+    """The visible lists a forward kernel walks (block_sparse.lists_source): int32 on the
+    device, (B or 1, Hq or 1, query tiles, 1 + key tiles) for the classes class_prepass made;
+    for None (no mask or bias) an array the kernel does not read. No wait for the host."""
+    if classes is None:
+        return io.scratch((1, 1, 1, 1), "int32")
+    batch, heads, tiles_m, tiles_n = classes.shape
+    visible = io.scratch((batch, heads, tiles_m, 1 + tiles_n), "int32")
+    rows = batch * heads * tiles_m
+    launch(lists_kernel(), ListsSpec(), -(-rows // LIST_THREADS), LIST_THREADS,
+           io.stream, classes, visible)
+    return visible
 
 
 def mask_words(mask_dev, n_k):

@@ -10,9 +10,10 @@ that layout allocates the same buffers anew and launches the same plans with its
 pointers (`Replay.run`): no argument checks, kernel choice or per-launch bookkeeping, whose
 host time the GPU otherwise waits for on every call that starts from an idle GPU.
 
-Only torch CUDA tensors without mask, bias, kv_lengths or spec are replayed (the host reads
-kv_lengths' values; mask and bias keep their own layouts), with options of plain Python
-values. A call whose recording meets anything else (a launch without a packed plan, a pointer
+Only torch CUDA tensors without kv_lengths or spec are replayed (the host reads kv_lengths'
+values), with options of plain Python values; a mask and a bias are inputs like q, k and v
+(their pre-pass is one of the launches). The layout holds each input's data pointer modulo
+16: a pre-pass that reads a mask as words of four keys is chosen by its alignment. A call whose recording meets anything else (a launch without a packed plan, a pointer
 that is neither an input, an allocated buffer nor a kept tensor: a strided input's contiguous
 copy) marks its layout as not replayable, and every call of it takes the whole path.
 """
@@ -40,8 +41,9 @@ def call_key(inputs, options):
     ptrs = [x.data_ptr() for x in inputs]
     shared = tuple(a == b for i, a in enumerate(ptrs) for b in ptrs[i + 1:])
     stream = torch.cuda.current_stream(inputs[0].device).cuda_stream
-    return (tuple((x.dtype, x.shape, x.stride(), x.device) for x in inputs), shared, stream,
-            tuple((type(o), o) for o in options))
+    layouts = tuple((x.dtype, x.shape, x.stride(), x.device, p % 16)
+                    for x, p in zip(inputs, ptrs))
+    return layouts, shared, stream, tuple((type(o), o) for o in options)
 
 
 def _plain(value):

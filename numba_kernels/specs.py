@@ -9,7 +9,8 @@ from numba import cuda, float32, int16, int32, int64, uint8
 from numba.types import UniTuple, float16
 
 from reference.dtypes import KERNEL_DTYPES
-from .block_sparse import ClassesSpec, classes_kernel, classes_source
+from .block_sparse import (ClassesSpec, ListsSpec, classes_kernel, classes_source, lists_kernel,
+                           lists_source)
 from .compile_cache import jit
 from .convert import CONVERTERS
 from .flash_bwd import BwdSpec, bwd_kernel_source, bwd_specs
@@ -96,10 +97,11 @@ def gate_specs():
 
 def classes_specs():
     """The tile-class pre-passes (block_sparse.py) at the tile sizes of the forward kernels
-    that read a mask: each masked SIMT variant's and the tensor-core kernel's."""
+    that read a mask (each masked SIMT variant's and the tensor-core kernel's), and the
+    pre-pass that makes their classes into visible lists."""
     sizes = {(s.block_m, s.block_n) for s in shipped_specs() if s.has_mask}
     return [ClassesSpec(m, n, words) for m, n in sorted(sizes | {(MMA_BLOCK_M, MMA_BLOCK_N)})
-            for words in (False, True)]
+            for words in (False, True)] + [ListsSpec()]
 
 
 def shipped_specs():
@@ -127,7 +129,7 @@ def arg_types(args, elem, out_elem):
         return t[(slice(None),) * (ndim - 1) + (last,)] if ndim > 1 else t[last]
 
     kinds = {"input": array(elem, 4), "output": array(out_elem, 4), "mask": array(uint8, 4),
-             "classes": array(uint8, 4),
+             "visible": array(int32, 4),
              "bias": array(float32, 4), "lengths": array(int32, 1), "lse": array(float32, 3),
              "flags": array(uint8, 3), "factors": array(float32, 1),
              "int": int64, "float": float32, "steps": UniTuple(int64, 4)}
@@ -172,6 +174,11 @@ def classes_signature(spec):
     """Argument types of the tile-class pre-pass (block_sparse.classes_source)."""
     mask = int32[:, :, :, ::1] if spec.words else uint8[:, :, :, ::1]
     return (mask, UniTuple(int64, 4), int64, int64, uint8[:, :, :, ::1])
+
+
+def lists_signature(spec):
+    """Argument types of the visible-list pre-pass (block_sparse.lists_source)."""
+    return (uint8[:, :, :, ::1], int32[:, :, :, ::1])
 
 
 def halves_signature(spec):
@@ -244,6 +251,8 @@ def _variant(spec):
     if isinstance(spec, ClassesSpec):
         return (lambda: classes_source(spec), lambda: classes_kernel(spec),
                 classes_signature(spec))
+    if isinstance(spec, ListsSpec):
+        return (lambda: lists_source(spec), lambda: lists_kernel(spec), lists_signature(spec))
     if isinstance(spec, HalvesSpec):
         source = absmax_source if spec.part == "absmax" else split_source
         return (source, lambda: halves_kernel(spec), halves_signature(spec))

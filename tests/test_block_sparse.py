@@ -1,6 +1,6 @@
-"""Block sparsity in the forward kernels (numba_kernels/block_sparse.py): the pre-pass classes a
-mask's tiles as reference/blocks.py does, and the kernels walk those classes: a SKIP tile is
-not visited, a FULL tile's mask is not read."""
+"""Block sparsity in the forward kernels (numba_kernels/block_sparse.py): the pre-passes class a
+mask's tiles and list the visible ones as reference/blocks.py does, and the kernels walk those
+lists: a SKIP tile is not visited, a FULL tile's mask is not read."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,8 +10,8 @@ import verify  # noqa: F401  (selects the simulator on a machine without a GPU)
 import reference
 from numba_kernels import flash_attention, forward
 from numba_kernels.arrays import begin, side_inputs
-from numba_kernels.prepass import class_prepass
-from reference.blocks import FULL, SKIP, tile_classes
+from numba_kernels.prepass import class_prepass, list_prepass
+from reference.blocks import FULL, SKIP, tile_classes, visible_lists
 
 
 def _host(x):
@@ -35,9 +35,15 @@ def test_the_prepass_classes_tiles_as_the_reference_does(n_q, n_k, tiles, shape,
     k = v = np.zeros((b, h, n_k, 8), np.float32)
     pb, io, _, _ = begin(q, k, v, None, False, mask, None, None, None)
     mask_dev, _, _, steps = side_inputs(io, pb, mask, None, None)
-    got = _host(class_prepass(io, pb, mask_dev, steps["mask_steps"], True, *tiles))
+    classes = class_prepass(io, pb, mask_dev, steps["mask_steps"], True, *tiles)
+    got = _host(classes)
     want = tile_classes(np.broadcast_to(mask, mask_shape[:2] + (n_q, n_k)), *tiles)
     assert got.shape == want.shape and (got == want).all(), (got, want)
+    lists, want = _host(list_prepass(io, classes)), visible_lists(want)
+    assert lists.shape == want.shape
+    for index in np.ndindex(*want.shape[:-1]):  # the count, then that many tiles
+        n = want[index][0]
+        assert (lists[index][:1 + n] == want[index][:1 + n]).all(), (index, lists, want)
 
 
 @pytest.mark.parametrize("kernel,dtype", [("simt", "float32"), ("mma", "float16")])

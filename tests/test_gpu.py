@@ -67,6 +67,13 @@ REPLAY_CASES = {
                   {}, True),
     "bf16 strided q": (1, 2, 2, 64, 64, 64, 64, "bfloat16", {}, dict(strided=True), False),
     "bf16 q is k": (1, 2, 2, 64, 64, 64, 64, "bfloat16", {}, dict(same=True), True),
+    "bf16 mask": (2, 4, 2, 100, 132, 64, 64, "bfloat16", dict(causal="bottom_right"),
+                  dict(mask=True), True),
+    "fp16 mask and bias": (1, 4, 4, 70, 96, 64, 32, "float16", {}, dict(mask=True, bias=True),
+                           True),
+    # the second call's mask starts at byte 1: its pre-pass cannot read words of four keys
+    "bf16 mask moved off alignment": (1, 2, 2, 64, 96, 64, 64, "bfloat16", {},
+                                      dict(mask=True, offsets=(0, 1)), False),
 }
 
 
@@ -77,21 +84,29 @@ def test_a_replayed_call_is_bitwise_the_whole_one(name):
     b, hq, hk, nq, nk, d, dv, dtype, options, layout, replayed = REPLAY_CASES[name]
     dt = getattr(torch, dtype)
 
-    def inputs():
+    def inputs(call):
         q = torch.randn(b, hq, nq, d, device="cuda", dtype=dt)
         if layout.get("strided"):
             q = torch.randn(b, nq, hq, d, device="cuda", dtype=dt).transpose(1, 2)
         k = q if layout.get("same") else torch.randn(b, hk, nk, d, device="cuda", dtype=dt)
-        return q, k, torch.randn(b, hk, nk, dv, device="cuda", dtype=dt)
+        side = {}
+        if layout.get("mask"):
+            at = layout.get("offsets", (0, 0))[call]
+            keep = torch.rand(b * hq * nq * nk + at, device="cuda") < 0.7
+            side["mask"] = keep[at:].view(b, hq, nq, nk)
+        if layout.get("bias"):
+            side["bias"] = torch.randn(1, hq, nq, nk, device="cuda")
+        return (q, k, torch.randn(b, hk, nk, dv, device="cuda", dtype=dt)), side
 
     with torch.no_grad():
-        flash_attention(*inputs(), **options)
-        second = inputs()
+        first, side = inputs(0)
+        flash_attention(*first, **options, **side)
+        second, side = inputs(1)
         before = replay.REPLAYED[0]
-        got = flash_attention(*second, **options)
+        got = flash_attention(*second, **options, **side)
         assert (replay.REPLAYED[0] > before) == replayed
         replay.forget()
-        want = flash_attention(*second, **options)
+        want = flash_attention(*second, **options, **side)
     got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
     assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
 
