@@ -128,6 +128,7 @@ def make_tile_walk(HAS_MASK, BLOCK_N):
     order; STEP 1); without, t is the first key of each tile of the band (STEP BLOCK_N: the
     loop the unmasked variants had before the lists, which ptxas compiles without spills)."""
     STEP = 1 if HAS_MASK else BLOCK_N
+
     @kernel_part
     def listed_before(visible, cb, ch, tile, j):
         """How many of the key tiles before tile j the visible list of query tile `tile`
