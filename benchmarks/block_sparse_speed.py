@@ -4,7 +4,7 @@ blocks as a BlockMask (compiled), in one run.
 
     python benchmarks/block_sparse_speed.py [--shape 1,16,8192,128] [--dtype bfloat16]
                                             [--block 128] [--density 0.1] [--backward]
-                                            [--out DIR]
+                                            [--impls ours] [--out DIR]
 
 The mask (verify.cases.block_mask, as (1, 1, N, N) booleans): "blocks", blocks of --block x
 --block pairs with a fraction --density of them kept at random (the diagonal blocks always);
@@ -71,6 +71,9 @@ def main():
     ap.add_argument("--kinds", default="blocks,blocks-dense",
                     help="masks to time (verify.cases.BLOCK_MASKS' names)")
     ap.add_argument("--backward", action="store_true", help="forward plus backward")
+    ap.add_argument("--impls", default="",
+                    help="time only the calls whose names start with one of these, comma "
+                         "separated (ours, efficient, flex; default every one)")
     ap.add_argument("--out", default=".", help="folder for block_sparse_speed.json")
     a = ap.parse_args()
     b, h, n, d = (int(x) for x in a.shape.split(","))
@@ -84,6 +87,8 @@ def main():
         kept = float(keep[..., ::a.block, ::a.block].mean())  # the blocks kept
         mask = torch.from_numpy(keep).cuda()
         for name, call in calls(q, k, v, mask, a.block).items():
+            if a.impls and not name.startswith(tuple(a.impls.split(","))):
+                continue
             try:
                 ms = timed(call, a.backward, grad)
             except (RuntimeError, ValueError) as e:  # a backend refuses, or memory runs out

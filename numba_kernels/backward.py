@@ -11,11 +11,11 @@ from .flash_bwd import BwdSpec, bwd_width
 from .flash_mma_bwd import (BLOCK as MMA_BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec,
                             kv_parts, mma_bwd_kernel)
 from .launch import launch
-from .mma_parts import THREADS as MMA_THREADS, mma_width
+from .mma_parts import BLOCK_N as MMA_KEY_TILE, THREADS as MMA_THREADS, mma_width
 from .plain_bwd import DELTA_THREADS, plain_bwd_kernel
 from .plain_fwd import plain_tiles
 from .plan import backward_plan, halves_summed, resolve_precision
-from .prepass import flag_prepass, halves_prepass
+from .prepass import class_prepass, flag_prepass, halves_prepass, list_prepass
 from .specs import pad, tuned_bwd_kernel
 
 
@@ -124,12 +124,18 @@ def _tuned(pb, io, named, grads, width, has_mask, precision):
 
 
 def _mma(pb, io, named, grads, width, has_mask, precision):
-    """The tensor-core dK/dV and dQ kernels (flash_mma_bwd.py), after the pre-pass flags the
-    tiles of q, dout and k that hold a NaN or an inf (and, for float32, splits q, k, v and
-    dout into float16 halves): each kernel's fast variant, then its nonfinite variant for
-    the blocks the fast one deferred (most often none: its blocks return at once); float32
-    at precision "highest" by the variants that sum each step's products apart."""
+    """The tensor-core dK/dV and dQ kernels (flash_mma_bwd.py), after the pre-passes: with a
+    mask or bias the visible lists each kernel walks (block_sparse.py: dQ's by query tile,
+    dK/dV's by key tile), and the flags of the tiles of q, dout and k that hold a NaN or an
+    inf (for float32, with q, k, v and dout split into float16 halves). Each kernel's fast
+    variant, then its nonfinite variant for the blocks the fast one deferred (most often
+    none: its blocks return at once); float32 at precision "highest" by the variants that
+    sum each step's products apart."""
     summed = halves_summed(pb.dtype, precision)
+    qb = MmaBwdSpec("dkdv", mma_width(pb.d), mma_width(pb.dv), pb.dtype, has_mask).qb
+    visible = {part: list_prepass(io, class_prepass(
+        io, pb, named["mask"], named["mask_steps"], has_mask, *tiles), part != "dq")
+        for part, tiles in (("dq", (MMA_BLOCK, MMA_KEY_TILE)), ("kv", (qb, MMA_BLOCK)))}
     if pb.dtype == "float32":
         named, flags = halves_prepass(io, named)
     else:
@@ -143,7 +149,8 @@ def _mma(pb, io, named, grads, width, has_mask, precision):
         if pb.batch * heads * n == 0:
             continue
         values = dict(named, **flags, **{g: grads[g] for g in out},
-                      deferred=io.scratch((pb.batch, heads, blocks)))
+                      deferred=io.scratch((pb.batch, heads, blocks)),
+                      visible=visible["dq" if part == "dq" else "kv"])
         for nonfinite in (False, True):
             spec = MmaBwdSpec(part, mma_width(pb.d), mma_width(pb.dv), pb.dtype, has_mask,
                               nonfinite, summed)

@@ -9,6 +9,7 @@ costs nothing (it is not in the list), and a tile every row sees by the mask rea
 list, not a scan of every key tile's class (docs/design/block_sparse.md). Below the kernels;
 imports none of them.
 """
+from collections import namedtuple
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -17,10 +18,12 @@ from numba import cuda
 from reference.blocks import FULL, PARTIAL, SKIP
 from .common import FASTMATH, kernel_part
 from .compile_cache import jit
-from .convert import int64
+from . import warp
+from .convert import int64, uint32
 
 CLASS_THREADS = 128  # threads of a pre-pass block: one block a tile
-LIST_THREADS = 128  # threads of a block of the second pre-pass: one a query tile
+LIST_THREADS = 128  # threads of a block of the second pre-pass: a warp a list
+LIST_WARPS = LIST_THREADS // warp.LANES
 
 
 @dataclass(frozen=True)
@@ -89,50 +92,70 @@ def classes_kernel(spec):
 
 @dataclass(frozen=True)
 class ListsSpec:
-    """The second pre-pass (one variant: it reads tile classes of any tile size)."""
+    """The second pre-pass: each query tile's list of key tiles (a forward kernel's, the dQ
+    kernel's), or with transposed each key tile's list of query tiles (the dK, dV kernel's).
+    It reads tile classes of any tile size."""
+
+    transposed: bool = False
 
 
 def lists_source(spec=ListsSpec()):
-    """The second pre-pass: one thread a query tile, its row of classes made into its visible
-    list (reference.blocks.visible_lists), read a byte at a time (the row's cache lines
-    stay in L1)."""
+    """The second pre-pass: one warp a row of the classes (a column where transposed), made
+    into its visible list (reference.blocks.visible_lists, of the classes' transpose where
+    transposed), 32 classes a step: a ballot of the lanes whose tile is not SKIP, each such
+    lane writing its entry after those of the lanes below it (popc)."""
+    TRANSPOSED = spec.transposed
+
     def visible_lists(classes, visible):
-        """visible[cb, ch, i] (shape (B or 1, Hq or 1, query tiles, 1 + key tiles)): the
-        count, then the key tiles classes[cb, ch, i] does not skip, 2 j + 1 where PARTIAL,
-        2 j where FULL."""
-        heads, tiles_m, tiles_n = classes.shape[1], classes.shape[2], classes.shape[3]
-        row = int64(cuda.blockIdx.x) * LIST_THREADS + cuda.threadIdx.x
-        if row >= classes.shape[0] * heads * tiles_m:
-            return
-        cb, ch, i = row // (heads * tiles_m), row // tiles_m % heads, row % tiles_m
-        n = 0
-        for j in range(tiles_n):
-            c = classes[cb, ch, i, j]
+        """visible[cb, ch, i] (shape (B or 1, Hq or 1, tiles, 1 + other tiles)): the count,
+        then the tiles j of the other side whose class classes[cb, ch, i, j] (classes[cb,
+        ch, j, i] where transposed) is not SKIP, 2 j + 1 where PARTIAL, 2 j where FULL."""
+        heads, tiles = classes.shape[1], visible.shape[2]
+        others = visible.shape[3] - 1
+        lane = cuda.threadIdx.x % warp.LANES
+        row = int64(cuda.blockIdx.x) * LIST_WARPS + cuda.threadIdx.x // warp.LANES
+        if row >= classes.shape[0] * heads * tiles:
+            return  # the whole warp: every lane of a warp has its row
+        cb, ch, i = row // (heads * tiles), row // tiles % heads, row % tiles
+        below = (uint32(1) << uint32(lane)) - uint32(1)  # the lanes before this one
+        n = int64(0)
+        for j0 in range(0, others, warp.LANES):
+            j = j0 + lane
+            c = SKIP
+            if j < others:
+                c = classes[cb, ch, j, i] if TRANSPOSED else classes[cb, ch, i, j]
+            kept = warp.ballot(c != SKIP)
             if c != SKIP:
-                n += 1
-                visible[cb, ch, i, n] = 2 * j + (1 if c == PARTIAL else 0)
-        visible[cb, ch, i, 0] = n
+                visible[cb, ch, i, 1 + n + warp.popc(kept & below)] = (
+                    2 * j + (1 if c == PARTIAL else 0))
+            n += warp.popc(kept)
+        if lane == 0:
+            visible[cb, ch, i, 0] = n
 
     return visible_lists
 
 
-@lru_cache(maxsize=1)
+@lru_cache(maxsize=2)
 def lists_kernel(spec=ListsSpec()):
     """The compiled second pre-pass (through the on-disk compile cache)."""
-    return jit(lists_source(spec), ("visible lists",), FASTMATH)
+    return jit(lists_source(spec), ("visible lists", spec.transposed), FASTMATH)
+
+
+TileWalk = namedtuple("TileWalk", "walk_range walk_end tile_start step_tile reads_mask STEP")
 
 
 def make_tile_walk(HAS_MASK, BLOCK_N):
-    """The walk of a forward kernel's key loop, `for t in range(t0, t1, STEP)`: with a mask,
-    the steps index the query tile's visible list (only the tiles the mask does not skip, in
-    order; STEP 1); without, t is the first key of each tile of the band (STEP BLOCK_N: the
-    loop the unmasked variants had before the lists, which ptxas compiles without spills)."""
+    """The walk of a kernel's loop over one side's tiles of BLOCK_N (a forward's or dQ's key
+    tiles; dK, dV's query tiles), `for t in range(t0, t1, STEP)`: with a mask, the steps
+    index the tile's visible list (only the tiles the mask does not skip, in order; STEP 1);
+    without, t is the first key of each tile of the band (STEP BLOCK_N: the loop the unmasked
+    variants had before the lists, which ptxas compiles without spills). A TileWalk."""
     STEP = 1 if HAS_MASK else BLOCK_N
 
     @kernel_part
     def listed_before(visible, cb, ch, tile, j):
-        """How many of the key tiles before tile j the visible list of query tile `tile`
-        holds (a binary search: the list ascends)."""
+        """How many of the tiles before tile j the visible list of tile `tile` holds (a
+        binary search: the list ascends)."""
         lo, hi = int64(0), int64(visible[cb, ch, tile, 0])
         while lo < hi:
             mid = (lo + hi) // 2
@@ -143,23 +166,35 @@ def make_tile_walk(HAS_MASK, BLOCK_N):
         return lo
 
     @kernel_part
+    def walk_end(visible, cb, ch, tile, last):
+        """t1 of walk_range: the end of the steps over keys before `last`."""
+        if HAS_MASK:
+            return listed_before(visible, cb, ch, tile, (last + BLOCK_N - 1) // BLOCK_N)
+        return last
+
+    @kernel_part
     def walk_range(visible, cb, ch, tile, first, last):
         """(t0, t1): the steps over the keys first <= j < last (first a multiple of
         BLOCK_N)."""
         if HAS_MASK:
             return (listed_before(visible, cb, ch, tile, first // BLOCK_N),
-                    listed_before(visible, cb, ch, tile, (last + BLOCK_N - 1) // BLOCK_N))
+                    walk_end(visible, cb, ch, tile, last))
         return first, last
 
     @kernel_part
-    def tile_start(visible, cb, ch, tile, t, t1, first, last):
-        """The first key of step t's tile; with a mask `last` from step t1 on (without, t
-        itself, which a caller tests against last)."""
+    def step_tile(visible, cb, ch, tile, t):
+        """The first key of step t's tile (t a step of the walk)."""
         if not HAS_MASK:
             return t
-        if t >= t1:
-            return last
         return int64(visible[cb, ch, tile, 1 + t] >> 1) * BLOCK_N
+
+    @kernel_part
+    def tile_start(visible, cb, ch, tile, t, t1, first, last):
+        """step_tile's, where with a mask `last` from step t1 on (without, t itself, which a
+        caller tests against last)."""
+        if HAS_MASK and t >= t1:
+            return last
+        return step_tile(visible, cb, ch, tile, t)
 
     @kernel_part
     def reads_mask(visible, cb, ch, tile, t):
@@ -167,4 +202,4 @@ def make_tile_walk(HAS_MASK, BLOCK_N):
         visible by the mask wherever the band lets a row see."""
         return HAS_MASK and visible[cb, ch, tile, 1 + t] & 1 != 0
 
-    return walk_range, tile_start, reads_mask, STEP
+    return TileWalk(walk_range, walk_end, tile_start, step_tile, reads_mask, STEP)

@@ -441,7 +441,9 @@ def kernel_source(spec):
     (load_q, init_rows, load_k, scores, scale_and_mask, online_softmax, load_v, pv,
      pv_seen_keys, store_out) = device_functions(spec)
     HAS_MASK = spec.has_mask
-    walk_range, tile_start, reads_mask, WALK_STEP = make_tile_walk(HAS_MASK, BLOCK_N)
+    walk = make_tile_walk(HAS_MASK, BLOCK_N)
+    walk_range, tile_start, reads_mask, WALK_STEP = (walk.walk_range, walk.tile_start,
+                                                     walk.reads_mask, walk.STEP)
 
     def flash_fwd(q, k, v, mask, visible, bias, kv_lengths, out, lse, n_q, d, d_v, group,
                   heads_q, n_tiles, split_len, qk_scale, left, right, bottom_right, mask_steps,

@@ -362,7 +362,9 @@ def kernel_source(spec):
         P_FACTOR, P_BACK = ONE, None
     load_q = make_load_q(copy_q, copy_kv, make_load_q_fragments(D, K_ROW), STAGE)
     this_block, next_tile = make_this_block(CAREFUL), make_next_tile(copy_kv, STAGE)
-    walk_range, tile_start, reads_mask, WALK_STEP = make_tile_walk(spec.has_mask, BLOCK_N)
+    walk = make_tile_walk(spec.has_mask, BLOCK_N)
+    walk_range, tile_start, reads_mask, WALK_STEP = (walk.walk_range, walk.tile_start,
+                                                     walk.reads_mask, walk.STEP)
     init_rows = make_init_rows(VB)
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
                                          spec.has_mask)

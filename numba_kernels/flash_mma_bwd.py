@@ -17,11 +17,12 @@ from numba import cuda
 from . import halves, warp
 from .compile_cache import jit
 from .convert import CONVERTERS, float32, int64, uint32, uint64
+from .block_sparse import make_tile_walk
 from .common import (DKDV_ARGS, DQ_ARGS, FASTMATH, F_LOG2E, NEG_INF, NO_PART, ZERO,
-                     check_parameters, kernel_part, make_masked_score)
+                     bias_given, check_parameters, kernel_part, make_masked_score)
 from .schedule import grid_order, key_range_device, key_tiles
 from .mma_parts import (BLOCK_N as KEY_TILE, EXPONENT_BITS, FACTORS, FLAG_ROWS, MMA_DTYPES,
-                        MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, WARPS, halves_ship,
+                        MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, THREADS, WARPS, halves_ship,
                         make_copy_kv, make_copy_tile, make_load_q_fragments, make_mma_pair,
                         make_next_tile, make_pv, make_pv_seen_pairs, make_q_scores,
                         make_scale_and_mask, make_scores, make_unpacked, own_flagged,
@@ -40,8 +41,19 @@ def _with_flags(args, before, *names):
     return tuple(x for a in args for x in (extra + (a,) if a[0] == before else (a,)))
 
 
-MMA_DKDV_ARGS = _with_flags(DKDV_ARGS, "dk", "q", "dout", "k")
-MMA_DQ_ARGS = _with_flags(DQ_ARGS, "dq", "k", "q")
+def _with_visible(args, meaning):
+    """args with the visible lists the kernel walks (block_sparse.py) after "mask"."""
+    return tuple(x for a in args
+                 for x in ((a, ("visible", "visible", meaning)) if a[0] == "mask" else (a,)))
+
+
+MMA_DKDV_ARGS = _with_flags(_with_visible(
+    DKDV_ARGS, "int32 (B or 1, Hq or 1, key tiles of BLOCK, 1 + query tiles of qb): each key "
+    "tile's count of query tiles the mask does not skip, then those tiles, 2 i + 1 where "
+    "partly visible, 2 i where fully; read with a mask"), "dk", "q", "dout", "k")
+MMA_DQ_ARGS = _with_flags(_with_visible(
+    DQ_ARGS, "int32 (B or 1, Hq or 1, query tiles of BLOCK, 1 + key tiles of KEY_TILE): the "
+    "forward's lists (ARGS), at this kernel's tiles; read with a mask"), "dq", "k", "q")
 
 BLOCK = 16 * WARPS  # keys of a dkdv block, query rows of a dq block
 
@@ -295,14 +307,16 @@ def make_kv_probabilities(NB, masked_score, HAS_MASK, P_FACTOR, DS_FACTOR):
     @kernel_part
     def probabilities(s, dp, stats, stage, qk_scale, mask, bias, mask_steps, bias_steps, b,
                       h, key0, start_q, n_q, kv_len, left, right, bottom_right, interior,
-                      lane):
+                      read_mask, read_bias, lane):
         """P^T = exp2(S^T qk_scale - lse) in place of S^T, dS^T = P^T (dP^T - delta) in place
         of dP^T; element 2 half + c of n-block nb is key key0 + 8 half, query column
         start_q + 8 nb + 2 t + c, whose lse and delta are at stats[stage, :, 8 nb + 2 t + c].
         Where the row does not see the key: P = NO_PART, dS = 0 (selected). An interior tile
-        without mask or bias is scaled only; elsewhere each column's key range is computed
-        here (masked_score's test). P and dS leave times P_FACTOR and DS_FACTOR (1 for
-        16-bit inputs; halves.py's scales for float32)."""
+        where neither mask nor bias is read (read_mask, read_bias as masked_score takes
+        them) is scaled only; elsewhere each column's key range is computed here
+        (masked_score's test). P and dS leave times P_FACTOR and DS_FACTOR (1 for 16-bit
+        inputs; halves.py's scales for float32)."""
+        tested = (HAS_MASK and (read_mask or read_bias)) or not interior
         t = lane % 4
         for nb in range(NB):
             for c in range(2):
@@ -310,14 +324,15 @@ def make_kv_probabilities(NB, masked_score, HAS_MASK, P_FACTOR, DS_FACTOR):
                 at = uint64(8 * nb + 2 * t + c)  # unsigned: no wraparound code
                 lse_col, delta_col = stats[uint64(stage), 0, at], stats[uint64(stage), 1, at]
                 lo, hi = int64(0), int64(0)
-                if HAS_MASK or not interior:
+                if tested:
                     lo, hi = key_range_device(col, n_q, kv_len, left, right, bottom_right)
                 for half in range(2):
                     e = 2 * half + c
                     x = s[nb, e] * qk_scale
-                    if HAS_MASK or not interior:
+                    if tested:
                         x = masked_score(x, mask, bias, mask_steps, bias_steps, b, h, col,
-                                         key0 + 8 * half, lo, hi, False, n_q, True, True)
+                                         key0 + 8 * half, lo, hi, False, n_q, read_mask,
+                                         read_bias)
                     p = NO_PART if x == NEG_INF else math.exp2(x - lse_col)
                     dp[nb, e] = ZERO if x == NEG_INF else \
                         p * (dp[nb, e] - delta_col) * DS_FACTOR
@@ -382,14 +397,40 @@ def make_copy_query_tile(copy_q, copy_do, DO_AT):
     return copy_query_tile
 
 
-@kernel_part
-def next_query_tile(h, start_q, first_q, tiles, QB):
-    """The query tile after (h, start_q) in the dK, dV loop: a head's tiles first_q .. in
-    order (`tiles` of QB rows), then the next head's."""
-    start_q += QB
-    if start_q >= first_q + tiles * QB:
-        h, start_q = h + 1, first_q
-    return h, start_q
+def make_query_walk(HAS_MASK, QB):
+    """The walk of the dK, dV loop: the group's heads in order, each head's steps over the
+    query tiles of QB rows first_q <= i < last_q in order, its list of this key tile's
+    visible query tiles with a mask (block_sparse.make_tile_walk, transposed lists), each
+    tile of the band without: (step_tile, reads_mask) as make_tile_walk's, head_steps,
+    next_step. A step is (h, t). The end of head h's steps is kept in the thread's slot of
+    `ends` (shared memory; registers would spill the masked variant, and a binary search a
+    step takes as long as the step's products); without a mask it is last_q."""
+    walk = make_tile_walk(HAS_MASK, QB)
+    walk_range, STEP = walk.walk_range, walk.STEP
+
+    @kernel_part
+    def head_steps(visible, cb, mask_steps, tile, h, h_end, first_q, last_q, ends, tid):
+        """(h, t0): the first head from h (before h_end) with a step over this key tile's
+        band, and that step, its steps' end in ends[tid]; (h_end, 0) where none has one."""
+        while h < h_end:
+            t0, t1 = walk_range(visible, cb, h * mask_steps[1], tile, first_q, last_q)
+            if t0 < t1:
+                if HAS_MASK:
+                    ends[tid] = t1
+                return h, int64(t0)
+            h += 1
+        return h_end, int64(0)
+
+    @kernel_part
+    def next_step(visible, cb, mask_steps, tile, h, t, h_end, first_q, last_q, ends, tid):
+        """The step after step (h, t): (h, t + STEP) if head h has it, else the next head's
+        first (head_steps)."""
+        if t + STEP < (ends[tid] if HAS_MASK else last_q):
+            return h, t + STEP
+        return head_steps(visible, cb, mask_steps, tile, h + 1, h_end, first_q, last_q, ends,
+                          tid)
+
+    return walk.step_tile, walk.reads_mask, head_steps, next_step
 
 
 def make_interior(QB):
@@ -573,11 +614,14 @@ def dkdv_kernel_source(spec):
             DO_AT, NONFINITE, DK, DV_)
     copy_query_tile = make_copy_query_tile(copy_q, copy_do, DO_AT)
     interior, query_tiles = make_interior(QB), make_query_tiles(QB)
+    HAS_MASK = spec.has_mask
+    step_tile, reads_mask, head_steps, next_step = make_query_walk(HAS_MASK, QB)
+    ENDS = THREADS if HAS_MASK else 1  # slots of make_query_walk's ends
     load_kv_block = make_load_kv_block(copy_k, copy_v, load_v_fragments, STAGES_AT, DK)
     store = CONVERTERS[spec.dtype][1]
     store_dk, store_dv = make_store_rows(D, store), make_store_rows(DV, store)
 
-    def mma_dkdv(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, q_flags, dout_flags,
+    def mma_dkdv(q, k, v, mask, visible, bias, kv_lengths, dout, lse_in, delta, q_flags, dout_flags,
                  k_flags, deferred, factors, dk, dv, n_q, group, qk_scale, scale, left, right,
                  bottom_right, mask_steps, bias_steps):
         words = cuda.shared.array(SHARED_WORDS, uint32)
@@ -588,6 +632,7 @@ def dkdv_kernel_source(spec):
         dv_acc = cuda.local.array((VB, 4), float32)
         # lse (log2 units) and delta of a stage's query rows, copied beside Q and dO
         stats = cuda.shared.array((2, 2, QB), float32)
+        ends = cuda.shared.array(ENDS, int64)  # make_query_walk's: the thread's own slot
 
         tid = cuda.threadIdx.x
         w, lane = tid // 32, tid % 32
@@ -618,23 +663,33 @@ def dkdv_kernel_source(spec):
         if start_n < kv_len:  # else every key of the tile is hidden: dK = dV = 0
             load_kv_block(words, k, v, v_frag, b, heads_k, hk, n_k, start_n, kv_len, d, d_v,
                           lane, w)
-            h_next, q_next = int64(hk) * group, first_q  # the next query tile to copy
-            if tiles > 0:  # group: the first query tile, into stage 0
+            cb, h_end = b * mask_steps[0], (int64(hk) + 1) * group
+            last_q = first_q + tiles * QB
+            biased = HAS_MASK and bias_given(bias, bias_steps)
+            # the next step to copy: head h_next's step t_next
+            h_next, t_next = head_steps(visible, cb, mask_steps, tile, int64(hk) * group,
+                                        h_end, first_q, last_q, ends, tid)
+            if h_next < h_end:  # the first step's query tile, into stage 0
+                q_next = step_tile(visible, cb, h_next * mask_steps[1], tile, t_next)
                 copy_query_tile(words, STAGES_AT, q, dout, b, heads_q, h_next, q_next, n_q, d,
                                 d_v)
                 if tid < QB:
                     stats[0, 0, tid], stats[0, 1, tid] = row_stats(
                         lse_in, delta, b, h_next, q_next + tid, n_q, True, delta_factor)
             stage = 0
-            for _ in range(group * tiles):  # the group's heads in order, their tiles in order
-                h, start_q = h_next, q_next
-                h_next, q_next = next_query_tile(h, start_q, first_q, tiles, QB)
+            while h_next < h_end:  # the group's heads in order, their steps in order
+                h, t = h_next, t_next  # the step's tile and class: found again, not carried
+                start_q = step_tile(visible, cb, h * mask_steps[1], tile, t)
+                partial = reads_mask(visible, cb, h * mask_steps[1], tile, t)
+                h_next, t_next = next_step(visible, cb, mask_steps, tile, h, t, h_end,
+                                           first_q, last_q, ends, tid)
                 warp.cp_async_wait(0)  # this thread's copies of this tile have landed
                 # Barrier: every thread's copies of this tile (and its statistics) have landed,
                 # and every warp is done with the other stage, which the next copy overwrites.
                 cuda.syncthreads()
                 lse_next, delta_next = ZERO, ZERO
-                if h_next < (hk + 1) * group:  # the next tile, into the other stage
+                if h_next < h_end:  # the next step's tile, into the other stage
+                    q_next = step_tile(visible, cb, h_next * mask_steps[1], tile, t_next)
                     copy_query_tile(words, STAGES_AT + (1 - stage) * STAGE, q, dout, b, heads_q,
                                     h_next, q_next, n_q, d, d_v)
                     lse_next, delta_next = row_stats(lse_in, delta, b, h_next, q_next + tid,
@@ -647,7 +702,8 @@ def dkdv_kernel_source(spec):
                 probabilities(s, dp, stats, stage, qk, mask, bias, mask_steps,
                               bias_steps, b, h, key0, start_q, n_q, kv_len, left, right,
                               bottom_right, interior(start_q, start_n, n_q, kv_len, left,
-                                                     right, bottom_right), lane)
+                                                     right, bottom_right),
+                              partial, biased, lane)
                 products(words, at, s, dp, dk_acc, dv_acc, q_flags, dout_flags, b, h, start_q,
                          lane)
                 if tid < QB:  # the next tile's statistics, their loads' latency hidden above
@@ -715,8 +771,12 @@ def dq_kernel_source(spec):
     add_dq, next_tile = (make_add_dq(dq_product, dq_seen_pairs, BRANCHED),
                          make_next_tile(copy_kv, STAGE))
     store_dq = make_store_rows(D, CONVERTERS[spec.dtype][1])
+    HAS_MASK = spec.has_mask
+    walk = make_tile_walk(HAS_MASK, KEY_TILE)
+    walk_range, tile_start, reads_mask, WALK_STEP = (walk.walk_range, walk.tile_start,
+                                                     walk.reads_mask, walk.STEP)
 
-    def mma_dq(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, k_flags, q_flags,
+    def mma_dq(q, k, v, mask, visible, bias, kv_lengths, dout, lse_in, delta, k_flags, q_flags,
                deferred, factors, dq, n_q, group, qk_scale, scale, left, right, bottom_right,
                mask_steps, bias_steps):
         words = cuda.shared.array(SHARED_WORDS, uint32)
@@ -749,6 +809,10 @@ def dq_kernel_source(spec):
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK, n_q) - 1, n_q, kv_len, left, right, bottom_right, 0,
             n_k, KEY_TILE)
+        cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's visible list
+        biased = HAS_MASK and bias_given(bias, bias_steps)
+        t0, t1 = walk_range(visible, cb, ch, tile, first, last)  # tiles no row sees: none
+        start_n = tile_start(visible, cb, ch, tile, t0, t1, first, last)
         rows_bad = HALVES and own_flagged(q_flags, b, h, start_m)  # scores_exact's
         if NONFINITE:
             if deferred[b, h, tile] == 0:
@@ -760,19 +824,22 @@ def dq_kernel_source(spec):
                          lane, w)
         k_at = (int64(b) * heads_k + hk) * n_k
         k_base, v_base = k_at * d, k_at * d_v
-        if first < last:  # group: the first key tile, into stage 0
-            copy_kv(words, 0, k, v, k_base, v_base, first, last, d, d_v)
+        if start_n < last:  # group: the first key tile, into stage 0
+            copy_kv(words, 0, k, v, k_base, v_base, start_n, last, d, d_v)
             warp.cp_async_commit()
         stage = 0
-        for start_n in range(first, last, KEY_TILE):
-            next_tile(words, k, v, k_base, v_base, start_n + KEY_TILE, last, d, d_v, stage)
+        for t in range(t0, t1, WALK_STEP):
+            start_n = tile_start(visible, cb, ch, tile, t, t1, first, last)
+            following = tile_start(visible, cb, ch, tile, t + WALK_STEP, t1, first, last)
+            next_tile(words, k, v, k_base, v_base, following, last, d, d_v, stage)
             at = stage * STAGE
             scores_s(words, at, q_frag, s, lane, w,  # S = Q K^T
                      EXACT and (rows_bad or k_flags[b, hk, start_n // FLAG_ROWS] != 0))
             scores_dp(words, at + V_AT, do_frag, dp, lane)
             interior = start_n >= lo_last and start_n + KEY_TILE <= hi_first
             scale_and_mask(s, qk, mask, bias, mask_steps, bias_steps, b, h, row0,
-                           start_n, lo, hi, interior, whole_rows, n_q, True, True, lane)
+                           start_n, lo, hi, interior, whole_rows, n_q,
+                           reads_mask(visible, cb, ch, tile, t), biased, lane)
             q_probabilities(s, dp, lse_r, delta_r)
             add_dq(words, at, s, dp, dq_acc, lane,  # dQ += dS K
                    BRANCHED and k_flags[b, hk, start_n // FLAG_ROWS] != 0)

@@ -1,13 +1,14 @@
 """The pre-passes, launched before the kernels with no wait for the host: a mask's tile classes
-and each query tile's list of visible key tiles (block_sparse.py) for the forward kernels, and for the tensor-core kernels float32 inputs split
-into float16 halves (halves.py) and 16-bit inputs' tiles flagged where they hold a NaN or an
-inf (flash_mma_bwd.py's scan)."""
+and each query tile's list of visible key tiles, or each key tile's of query tiles
+(block_sparse.py), for the kernels that walk them, and for the tensor-core kernels float32
+inputs split into float16 halves (halves.py) and 16-bit inputs' tiles flagged where they
+hold a NaN or an inf (flash_mma_bwd.py's scan)."""
 import numpy as np
 
 from reference.memory import span
 
-from .block_sparse import (CLASS_THREADS, LIST_THREADS, ClassesSpec, ListsSpec, classes_kernel,
-                           lists_kernel)
+from .block_sparse import (CLASS_THREADS, LIST_THREADS, LIST_WARPS, ClassesSpec, ListsSpec,
+                           classes_kernel, lists_kernel)
 from .flash_mma_bwd import SCAN_THREADS, ScanSpec, scan_kernel
 from .halves import ABS_BLOCKS, SLOTS, THREADS as HALVES_THREADS, HalvesSpec, halves_kernel
 from .launch import launch
@@ -15,7 +16,7 @@ from .mma_parts import FLAG_ROWS
 
 
 def class_prepass(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n):
-    """The tile classes of a forward kernel with tiles of block_m x block_n (block_sparse.py):
+    """The tile classes of a kernel with tiles of block_m x block_n (block_sparse.py):
     (B or 1, Hq or 1, query tiles, key tiles) uint8 on the device, the batch and head
     dimensions the mask's (mask_dev, as side_inputs gives it, with its steps); without a mask
     or bias (has_mask False) None. No wait for the host."""
@@ -33,17 +34,19 @@ def class_prepass(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n):
     return classes
 
 
-def list_prepass(io, classes):
-    """The visible lists a forward kernel walks (block_sparse.lists_source): int32 on the
-    device, (B or 1, Hq or 1, query tiles, 1 + key tiles) for the classes class_prepass made;
+def list_prepass(io, classes, transposed=False):
+    """The visible lists a kernel walks (block_sparse.lists_source): int32 on the device,
+    (B or 1, Hq or 1, query tiles, 1 + key tiles) for the classes class_prepass made, or
+    with transposed (B or 1, Hq or 1, key tiles, 1 + query tiles) (the dK, dV kernel's);
     for None (no mask or bias) an array the kernel does not read. No wait for the host."""
     if classes is None:
         return io.scratch((1, 1, 1, 1), "int32")
     batch, heads, tiles_m, tiles_n = classes.shape
-    visible = io.scratch((batch, heads, tiles_m, 1 + tiles_n), "int32")
-    rows = batch * heads * tiles_m
-    launch(lists_kernel(), ListsSpec(), -(-rows // LIST_THREADS), LIST_THREADS,
-           io.stream, classes, visible)
+    tiles, others = (tiles_n, tiles_m) if transposed else (tiles_m, tiles_n)
+    visible = io.scratch((batch, heads, tiles, 1 + others), "int32")
+    rows, spec = batch * heads * tiles, ListsSpec(transposed)
+    launch(lists_kernel(spec), spec, -(-rows // LIST_WARPS), LIST_THREADS, io.stream,
+           classes, visible)
     return visible
 
 

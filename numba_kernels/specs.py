@@ -19,8 +19,9 @@ from .flash_fwd import KernelSpec, kernel_source
 from .flash_mma import MMA_ARGS, MmaSpec, mma_kernel, mma_specs
 from .mma_parts import BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N
 from .flash_mma import kernel_source as mma_kernel_source
-from .flash_mma_bwd import (MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec, ScanSpec, mma_bwd_kernel,
-                            mma_bwd_source, mma_bwd_specs, scan_kernel, scan_source)
+from .flash_mma_bwd import (BLOCK as MMA_BWD_BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec,
+                            ScanSpec, mma_bwd_kernel, mma_bwd_source, mma_bwd_specs,
+                            scan_kernel, scan_source)
 from .halves import HalvesSpec, absmax_source, halves_kernel, halves_specs, split_source
 from .plain_bwd import (DELTA_ARGS, DKDV_ARGS, DQ_ARGS, PlainBwdSpec, plain_bwd_kernel,
                         plain_bwd_specs)
@@ -96,12 +97,16 @@ def gate_specs():
 
 
 def classes_specs():
-    """The tile-class pre-passes (block_sparse.py) at the tile sizes of the forward kernels
-    that read a mask (each masked SIMT variant's and the tensor-core kernel's), and the
-    pre-pass that makes their classes into visible lists."""
+    """The tile-class pre-passes (block_sparse.py) at the tile sizes of the kernels that read
+    a mask (each masked SIMT forward variant's, the tensor-core forward's and dQ kernel's,
+    the tensor-core dK, dV kernel's), and the pre-passes that make their classes into visible
+    lists, by query tile and by key tile."""
     sizes = {(s.block_m, s.block_n) for s in shipped_specs() if s.has_mask}
-    return [ClassesSpec(m, n, words) for m, n in sorted(sizes | {(MMA_BLOCK_M, MMA_BLOCK_N)})
-            for words in (False, True)] + [ListsSpec()]
+    sizes |= {(MMA_BLOCK_M, MMA_BLOCK_N)}
+    sizes |= {(s.qb, MMA_BWD_BLOCK) for s in mma_bwd_specs()
+              if isinstance(s, MmaBwdSpec) and s.has_mask}
+    return [ClassesSpec(m, n, words) for m, n in sorted(sizes) for words in (False, True)] + [
+        ListsSpec(transposed) for transposed in (False, True)]
 
 
 def shipped_specs():

@@ -1,4 +1,5 @@
 """Warp-level instructions from Python: tensor-core mma.sync, ldmatrix, warp shuffles and
+votes (ballot: bit l of the word is lane l's predicate; popc counts a word's bits) and
 asynchronous copies. On the GPU each is one inline-PTX instruction (a Numba @intrinsic); in the
 simulator each is Python with the same per-lane semantics, so a kernel written with them runs
 unchanged on a CPU and a reader can step through it lane by lane.
@@ -238,6 +239,13 @@ if SIMULATOR:
         _, values = _warp_values(value)
         return values[src_lane]
 
+    def ballot(predicate):
+        _, values = _warp_values(bool(predicate))
+        return np.uint32(sum(1 << lane for lane, x in enumerate(values) if x))
+
+    def popc(word):
+        return bin(int(word) & 0xFFFFFFFF).count("1")
+
     def unpack_f16(word):
         word = int(word)
         return (float32(bits_value(word & 0xFFFF, "float16")),
@@ -374,6 +382,14 @@ else:
     @device_function
     def shfl_idx(value, src_lane):
         return cuda.shfl_sync(FULL_MASK, value, src_lane)
+
+    @device_function
+    def ballot(predicate):
+        return cuda.ballot_sync(FULL_MASK, predicate)
+
+    @device_function
+    def popc(word):
+        return cuda.popc(word)
 
     @intrinsic
     def unpack_f16(typingctx, word):

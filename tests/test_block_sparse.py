@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 
 import verify  # noqa: F401  (selects the simulator on a machine without a GPU)
 import reference
-from numba_kernels import flash_attention, forward
+from numba_kernels import backward, flash_attention, flash_attention_backward, forward
 from numba_kernels.arrays import begin, side_inputs
 from numba_kernels.prepass import class_prepass, list_prepass
-from reference.blocks import FULL, SKIP, tile_classes, visible_lists
+from reference.blocks import FULL, PARTIAL, SKIP, tile_classes, visible_lists
 
 
 def _host(x):
@@ -39,11 +39,33 @@ def test_the_prepass_classes_tiles_as_the_reference_does(n_q, n_k, tiles, shape,
     got = _host(classes)
     want = tile_classes(np.broadcast_to(mask, mask_shape[:2] + (n_q, n_k)), *tiles)
     assert got.shape == want.shape and (got == want).all(), (got, want)
-    lists, want = _host(list_prepass(io, classes)), visible_lists(want)
-    assert lists.shape == want.shape
-    for index in np.ndindex(*want.shape[:-1]):  # the count, then that many tiles
-        n = want[index][0]
-        assert (lists[index][:1 + n] == want[index][:1 + n]).all(), (index, lists, want)
+    for transposed in (False, True):  # by query tile; by key tile (the dK, dV kernel's)
+        lists = _host(list_prepass(io, classes, transposed))
+        wanted = visible_lists(np.swapaxes(want, -1, -2) if transposed else want)
+        assert lists.shape == wanted.shape
+        for index in np.ndindex(*wanted.shape[:-1]):  # the count, then that many tiles
+            n = wanted[index][0]
+            assert (lists[index][:1 + n] == wanted[index][:1 + n]).all(), (index, lists, wanted)
+
+
+@pytest.mark.parametrize("tiles_m,tiles_n", [(5, 70), (67, 3), (1, 32), (33, 1)])
+def test_the_list_prepass_lists_long_rows_and_columns(tiles_m, tiles_n):
+    """Rows and columns of classes longer than a warp's 32 lanes (a warp a list, 32 classes a
+    ballot): the reference's lists, by row and by column."""
+    rng = np.random.default_rng(tiles_m * 100 + tiles_n)
+    classes = rng.choice(np.array([SKIP, PARTIAL, FULL], np.uint8), (2, 3, tiles_m, tiles_n),
+                         p=[0.5, 0.25, 0.25])
+    classes[0, 0] = SKIP  # an empty list beside full ones
+    classes[0, 1] = FULL
+    q = np.zeros((1, 1, 1, 8), np.float32)
+    _, io, _, _ = begin(q, q, q, None, False, None, None, None, None)
+    for transposed in (False, True):
+        got = _host(list_prepass(io, io.dev(classes), transposed))
+        want = visible_lists(np.swapaxes(classes, -1, -2) if transposed else classes)
+        assert got.shape == want.shape
+        for index in np.ndindex(*want.shape[:-1]):
+            n = want[index][0]
+            assert (got[index][:1 + n] == want[index][:1 + n]).all(), (index, got, want)
 
 
 @pytest.mark.parametrize("kernel,dtype", [("simt", "float32"), ("mma", "float16")])
@@ -84,6 +106,54 @@ def test_the_forward_kernels_skip_and_trust_the_classes(monkeypatch, kernel, dty
                                  v.astype(np.float64), bias=bias)
     out, _ = run(FULL, bias)
     assert close(out, biased) and not close(out, plain)
+
+
+def test_the_tensor_core_backward_skips_and_trusts_the_classes(monkeypatch):
+    """The dQ and dK, dV kernels walk their lists (by query tile; by key tile, across a
+    group's heads): with the true classes the masked gradients, with every tile SKIP zeros,
+    with every tile FULL the unmasked gradients (no mask read), a bias still read there."""
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 2, 64, 16)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 1, 64, 16)).astype(np.float16) for _ in range(2))
+    dout = rng.standard_normal((1, 2, 64, 16)).astype(np.float16)
+    mask = rng.random((1, 2, 64, 64)) < 0.5  # per head: each head its own lists
+    mask[:, 1, 16:48] = False  # head 1: whole query tiles that no key sees
+    true = backward.class_prepass
+
+    def run(fill=None, bias=None):
+        """The gradients from the backward with `mask` and its classes (every one `fill`
+        where given), after the forward that `fill` asks for (FULL: without the mask)."""
+        def classes(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n):
+            got = true(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n)
+            if fill is not None:
+                got = io.dev(np.full(_host(got).shape, fill, np.uint8))
+            return got
+
+        seen = None if fill == FULL else mask
+        out, lse = flash_attention(q, k, v, mask=seen, bias=bias, kernel="mma",
+                                   return_lse=True)
+        monkeypatch.setattr(backward, "class_prepass", classes)
+        got = flash_attention_backward(q, k, v, out, lse, dout, mask=mask, bias=bias,
+                                       kernel="mma")
+        monkeypatch.setattr(backward, "class_prepass", true)
+        return [np.asarray(g, np.float64) for g in got]
+
+    def want(**sides):
+        return reference.attention_backward(*(x.astype(np.float64) for x in (q, k, v, dout)),
+                                            **sides)
+
+    def close(got, wanted):
+        return all(np.allclose(g, w, atol=3e-2, rtol=3e-2) for g, w in zip(got, wanted))
+
+    masked, plain = want(mask=mask), want()
+    got = run()
+    assert close(got, masked) and not close(got, plain)
+    assert all((g == 0).all() for g in run(SKIP))
+    got = run(FULL)
+    assert close(got, plain) and not close(got, masked)
+    bias = rng.standard_normal((1, 1, 64, 64)).astype(np.float32)
+    got = run(FULL, bias)
+    assert close(got, want(bias=bias)) and not close(got, plain)
 
 
 @pytest.mark.parametrize("n_k,offset,words", [(36, 0, True), (37, 0, False), (36, 1, False)])
