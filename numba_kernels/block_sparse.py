@@ -1,13 +1,14 @@
 """Block sparsity on the device: a mask's tile classes (reference/blocks.py: SKIP, PARTIAL,
-FULL) made by a pre-pass kernel at a kernel's own tile sizes, each query tile's classes made
-into its list of visible key tiles by a second pre-pass (reference.blocks.visible_lists), and
-the walk of a forward kernel's key loop over that list.
+FULL) made by a pre-pass kernel at a kernel's own tile sizes, each tile's row of classes (or
+column) made into its list of visible tiles by a second pre-pass
+(reference.blocks.visible_lists), and the walk of a kernel's loop over that list.
 
-A forward kernel with a mask steps through its query tile's list: a tile that no row sees
-costs nothing (it is not in the list), and a tile every row sees by the mask reads no mask
-(the band and kv_lengths are still tested there). The steps are independent loads of a short
-list, not a scan of every key tile's class (docs/design/block_sparse.md). Below the kernels;
-imports none of them.
+A kernel with a mask steps through its tile's list: the forward's and dQ's query tile through
+its visible key tiles, dK/dV's key tile through its visible query tiles. A tile that no row
+sees costs nothing (it is not in the list), and a tile every row sees by the mask reads no
+mask (the band and kv_lengths are still tested there). The steps are independent loads of a
+short list, not a scan of every tile's class (docs/design/block_sparse.md). Below the
+kernels; imports none of them.
 """
 from collections import namedtuple
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ from .compile_cache import jit
 from . import warp
 from .convert import int64, uint32
 
-CLASS_THREADS = 128  # threads of a pre-pass block: one block a tile
+CLASS_THREADS = 128  # threads of a block of the class pre-pass: a warp a tile
+CLASS_WARPS = CLASS_THREADS // warp.LANES
 LIST_THREADS = 128  # threads of a block of the second pre-pass: a warp a list
 LIST_WARPS = LIST_THREADS // warp.LANES
 
@@ -43,40 +45,44 @@ class ClassesSpec:
 
 
 def classes_source(spec):
-    """The pre-pass kernel: one block per (key tile, query tile, (batch, head) of the classes),
-    each thread testing every CLASS_THREADS-th load of its tile (a byte, or a word of four
-    keys), the loads of a warp side by side in memory."""
+    """The pre-pass kernel: one warp per tile, CLASS_WARPS tiles of a row of tiles a block
+    (grid: (key tiles / CLASS_WARPS, query tiles, (batch, head) of the classes)), each lane
+    testing every 32nd load of its tile (a byte, or a word of four keys), the loads of a warp
+    side by side in memory; the warp's votes (ballot) answer "some" and "every"."""
     BLOCK_M, SPAN = spec.block_m, spec.span
     LOADS_N = spec.block_n // SPAN  # loads a row of the tile
-    LOADS = -(-BLOCK_M * LOADS_N // CLASS_THREADS)  # loads a thread, unrolled
+    LOADS = -(-BLOCK_M * LOADS_N // warp.LANES)  # loads a lane, unrolled
     assert spec.block_n % SPAN == 0, spec
 
     def tile_classes(mask, mask_steps, n_q, n_k, classes):
         """classes[cb, ch, i, j] (shape (B or 1, Hq or 1, query tiles, key tiles)) of mask
         (uint8, or int32 words of four keys; its broadcast dimensions' steps 0 in
         mask_steps) over the pairs of tile (i, j) inside the n_q x n_k plane."""
-        n_tile, m_tile = int64(cuda.blockIdx.x), int64(cuda.blockIdx.y)
+        lane = cuda.threadIdx.x % warp.LANES
+        n_tile = int64(cuda.blockIdx.x) * CLASS_WARPS + cuda.threadIdx.x // warp.LANES
+        m_tile = int64(cuda.blockIdx.y)
+        if n_tile >= classes.shape[3]:
+            return  # the whole warp
         heads = classes.shape[1]
         cb, ch = int64(cuda.blockIdx.z) // heads, int64(cuda.blockIdx.z) % heads
-        tid = cuda.threadIdx.x
-        some, every = 0, 1
+        some, every = False, True
         for i in range(LOADS):
-            p = tid + i * CLASS_THREADS
+            p = lane + i * warp.LANES
             row, at = m_tile * BLOCK_M + p // LOADS_N, n_tile * LOADS_N + p % LOADS_N
             if p < BLOCK_M * LOADS_N and row < n_q and at * SPAN < n_k:
                 x = mask[cb * mask_steps[0], ch * mask_steps[1], row * mask_steps[2],
                          at * mask_steps[3]]
                 if x != 0:
-                    some = 1
+                    some = True
                 if SPAN == 1:
                     if x == 0:
-                        every = 0
+                        every = False
                 elif ((x & 0xFF) == 0 or (x >> 8) & 0xFF == 0 or (x >> 16) & 0xFF == 0
                       or (x >> 24) & 0xFF == 0):
-                    every = 0
-        some = cuda.syncthreads_or(some)
-        every = cuda.syncthreads_and(every)
-        if tid == 0:
+                    every = False
+        some = warp.ballot(some) != 0
+        every = warp.ballot(every) == warp.FULL_MASK
+        if lane == 0:
             classes[cb, ch, m_tile, n_tile] = FULL if some and every else (
                 PARTIAL if some else SKIP)
 

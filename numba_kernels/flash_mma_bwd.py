@@ -3,9 +3,11 @@
 accumulation, P and dS rounded to the input dtype where they enter a product; float32 inputs
 as two float16 halves a value (halves.py). Two kernels after plain_bwd's delta kernel: dkdv
 (4 warps own 64 keys: S^T, dP^T, dV += P^T dO, dK += dS^T Q; two kernels, "dk" and "dv",
-for float32 above head dims of 64, with a mask, or summed: kv_parts) and dq (the forward's structure,
-dQ += dS K). Tiles holding a NaN or an inf (flagged by a pre-pass) defer their blocks to a
-nonfinite variant, which adds only the pairs that take part. No atomic adds: deterministic.
+for float32 above head dims of 64, with a mask, or summed: kv_parts) and dq (the forward's
+structure, dQ += dS K). With a mask each walks its visible lists (block_sparse.py): dq its
+query tile's key tiles, dkdv its key tile's query tiles, head by head. Tiles holding a NaN
+or an inf (flagged by a pre-pass) defer their blocks to a nonfinite variant, which adds only
+the pairs that take part. No atomic adds: deterministic.
 docs/design/tensor_cores.md draws the steps, the fragments and the shared memory.
 """
 import math

@@ -7,8 +7,8 @@ import numpy as np
 
 from reference.memory import span
 
-from .block_sparse import (CLASS_THREADS, LIST_THREADS, LIST_WARPS, ClassesSpec, ListsSpec,
-                           classes_kernel, lists_kernel)
+from .block_sparse import (CLASS_THREADS, CLASS_WARPS, LIST_THREADS, LIST_WARPS, ClassesSpec,
+                           ListsSpec, classes_kernel, lists_kernel)
 from .flash_mma_bwd import SCAN_THREADS, ScanSpec, scan_kernel
 from .halves import ABS_BLOCKS, SLOTS, THREADS as HALVES_THREADS, HalvesSpec, halves_kernel
 from .launch import launch
@@ -28,8 +28,9 @@ def class_prepass(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n):
     if tiles_m * tiles_n:
         words = mask_words(mask_dev, pb.n_k)
         spec = ClassesSpec(block_m, block_n, words is not None)
-        launch(classes_kernel(spec), spec, (tiles_n, tiles_m, batch * heads), CLASS_THREADS,
-               io.stream, mask_dev if words is None else words,
+        grid = (-(-tiles_n // CLASS_WARPS), tiles_m, batch * heads)
+        launch(classes_kernel(spec), spec, grid, CLASS_THREADS, io.stream,
+               mask_dev if words is None else words,
                tuple(int(x) for x in mask_steps), pb.n_q, pb.n_k, classes)
     return classes
 

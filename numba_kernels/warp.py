@@ -36,7 +36,8 @@ import threading
 import numpy as np
 from numba import cuda
 
-from .convert import SIMULATOR, bf16_to_float, device_function, float32, float_to_bf16
+from .convert import (SIMULATOR, bf16_to_float, device_function, float32, float_to_bf16,
+                      uint32)
 
 LANES = 32
 FULL_MASK = 0xFFFFFFFF
@@ -384,8 +385,8 @@ else:
         return cuda.shfl_sync(FULL_MASK, value, src_lane)
 
     @device_function
-    def ballot(predicate):
-        return cuda.ballot_sync(FULL_MASK, predicate)
+    def ballot(predicate):  # Numba's ballot_sync is an int32: lane 31 would be its sign
+        return uint32(cuda.ballot_sync(FULL_MASK, predicate))
 
     @device_function
     def popc(word):
