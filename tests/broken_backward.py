@@ -9,9 +9,10 @@ import itertools
 
 import numpy as np
 
+from reference.blocks import PARTIAL
 from reference.contract import check_attention_args, dense_visible
 from reference.naive import weighted_values
-from tests.broken_kernels import halves_per_tensor
+from tests.broken_kernels import halves_per_tensor, pair_classes
 
 BLOCK_N = 16
 CALLS = itertools.count()
@@ -34,6 +35,11 @@ BUGS = {  # bug: (a case that must fail, a phrase its failure must contain)
     # head of dout 2^20 below another loses its gradients, which only a judgement per
     # (batch, head) sees
     "halves-per-tensor": ("backward: dout heads 2^40 apart", "mismatched"),
+    # block sparsity in the backward (tiles of broken_kernels.SPARSE_TILE): a partly visible
+    # tile's pairs left out of dQ, dK and dV, or its hidden pairs added as if visible (the
+    # forward, and so lse, correct)
+    "partial-tile-skipped": ("block-sparse blocks (backward)", "mismatched"),
+    "partial-tile-as-full": ("block-sparse ragged blocks (backward)", "mismatched"),
 }
 LAYOUTS = {}  # dout-layout-cached: (shape, dtype) -> dout's strides at the first call
 
@@ -51,6 +57,12 @@ def grad(bug=None):
         bias = np.zeros(full, np.float32) if bias is None else np.broadcast_to(
             np.asarray(bias, np.float32), full)
         keep = keep & (bias != -np.inf)
+        seen = keep  # the pairs the gradients take: a block-sparse bug's differ from keep
+        if bug in ("partial-tile-skipped", "partial-tile-as-full") and mask is not None:
+            partial = pair_classes(np.asarray(mask)) == PARTIAL
+            seen = keep & ~partial if bug == "partial-tile-skipped" else \
+                np.broadcast_to(dense_visible(pb, np.asarray(mask) | partial, kv_lengths),
+                                full) & (bias != -np.inf)
         heads = [h // pb.group for h in range(pb.heads_q)]
         if bug == "dout-layout-cached":  # the same buffer read with the first call's strides
             first = LAYOUTS.setdefault((dout.shape, dout.dtype.str), dout.strides)
@@ -60,7 +72,7 @@ def grad(bug=None):
         qf, dof = q.astype(np.float32), dout.astype(np.float32)
         kf, vf = (x.astype(np.float32)[:, heads] for x in (k, v))
         with np.errstate(all="ignore"):
-            dq, dk, dv = _grads(bug, pb, qf, kf, vf, dof, keep, bias)
+            dq, dk, dv = _grads(bug, pb, qf, kf, vf, dof, keep, bias, seen)
         if bug == "gqa-one-head":  # the group's first head only, not the sum
             dk, dv = dk[:, ::pb.group], dv[:, ::pb.group]
         else:
@@ -72,8 +84,9 @@ def grad(bug=None):
     return attention_grad
 
 
-def _grads(bug, pb, qf, kf, vf, dof, keep, bias):
-    """dq (B, Hq, Nq, D), and dk, dv per query head (B, Hq, Nk, .) before the group sum."""
+def _grads(bug, pb, qf, kf, vf, dof, keep, bias, seen):
+    """dq (B, Hq, Nq, D), and dk, dv per query head (B, Hq, Nk, .) before the group sum, from
+    the lse of the pairs `keep` (the forward's) and the pairs `seen` (keep, but for a bug)."""
     scale = np.float32(pb.scale)
     s = np.where(keep, qf @ np.swapaxes(kf, -1, -2) * scale + bias, -np.inf)
     keep = s != -np.inf  # the contract: a score of -inf, however it arose, hides the key
@@ -82,6 +95,9 @@ def _grads(bug, pb, qf, kf, vf, dof, keep, bias):
     e = np.exp(s - m)
     l = e.sum(-1, keepdims=True)  # noqa: E741
     lse = np.where(l == 0, -np.inf, m + np.log(l))  # what the forward saved
+    if seen is not keep:
+        s = np.where(seen, qf @ np.swapaxes(kf, -1, -2) * scale + bias, -np.inf)
+        keep = s != -np.inf
     if bug == "p-without-scale":  # P recomputed from raw scores
         s = np.where(keep, qf @ np.swapaxes(kf, -1, -2) + bias, -np.inf)
     p = np.where(keep, np.exp(s - lse), 0)  # a NaN row's P reaches none of its hidden keys

@@ -139,12 +139,12 @@ def _forward(bug, q, k, v, scale, causal, mask, bias, kv_lengths, window):
                               kv_lengths=kv_lengths, window=window)
     if bug in ("partial-tile-skipped", "partial-tile-as-full") and mask is not None:
         mask = np.asarray(mask)
-        classes = _pair_classes(mask)
+        classes = pair_classes(mask)
         mask = mask & (classes != PARTIAL) if bug == "partial-tile-skipped" else \
             mask | (classes == PARTIAL)
     keep = dense_visible(pb, mask, kv_lengths)  # (B, 1 or Hq, Nq, Nk)
     if bug == "full-tile-ignores-band" and mask is not None:
-        keep = keep | (_pair_classes(np.asarray(mask)) == FULL)
+        keep = keep | (pair_classes(np.asarray(mask)) == FULL)
     if bug == "causal-off-by-one" and causal:
         keep = keep & ~np.eye(pb.n_q, pb.n_k, dtype=bool)
     full = (pb.batch, pb.heads_q, pb.n_q, pb.n_k)
@@ -172,7 +172,7 @@ def _forward(bug, q, k, v, scale, causal, mask, bias, kv_lengths, window):
     return out.astype(q.dtype), lse.astype(np.float32)
 
 
-def _pair_classes(mask):
+def pair_classes(mask):
     """Each pair's tile class (SKIP, PARTIAL, FULL) at tiles of SPARSE_TILE, mask's shape."""
     classes = tile_classes(mask, SPARSE_TILE, SPARSE_TILE)
     pairs = classes.repeat(SPARSE_TILE, axis=-2).repeat(SPARSE_TILE, axis=-1)
