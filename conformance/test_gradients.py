@@ -28,8 +28,10 @@ def test_gradient_error_within_bound(grad_impl, limits):
     prop()
 
 
-@pytest.mark.parametrize("kind", ["empty-rows", "single-key"])
+@pytest.mark.parametrize("kind", ["empty-rows", "single-key", "blocks"])
 def test_gradient_masks(grad_impl, limits, kind):
+    """The gradients within their bound under masks that empty rows, leave one key, or hide
+    whole blocks (verify.cases.BLOCK_MASKS: tiles skipped, partly and wholly visible)."""
     if not grad_impl.supports.mask:
         pytest.skip(f"{grad_impl.name} does not claim mask")
 

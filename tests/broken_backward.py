@@ -144,6 +144,7 @@ def _implementation(bug):
 CORRECT = _implementation(None)
 DK_NOT_SCALED = _implementation("dk-not-scaled")
 LEAKS_NAN_ROWS = _implementation("products-add-every-pair")
+PARTIAL_TILE_SKIPPED = _implementation("partial-tile-skipped")
 
 
 def _record_warm(backward=False, say=None):

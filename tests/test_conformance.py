@@ -74,6 +74,24 @@ def test_the_gradient_properties_catch_a_broken_backward():
     assert correct.returncode == 0 and "2 passed" in correct.stdout, correct.stdout
 
 
+def test_the_block_mask_gradient_property_catches_a_backward_that_skips_partial_tiles():
+    """A backward that leaves a partly visible tile's pairs out of the gradients breaks the
+    gradient property under block masks; its correct twin passes it."""
+    def run(impl):
+        cmd = [sys.executable, "-m", "pytest", "conformance/test_gradients.py", "-p",
+               "no:cacheprovider", "--tb=no", "-W", "ignore", "-k", "gradient_masks and blocks",
+               "--impl", impl, "--max-examples", "30", "--no-shrink", "--backward"]
+        return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                              capture_output=True, text=True, timeout=600)
+
+    broken = run("tests.broken_backward:PARTIAL_TILE_SKIPPED")
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert "property 'gradient mask blocks' broken for broken backward " \
+           "[partial-tile-skipped]" in broken.stdout, broken.stdout
+    correct = run("tests.broken_backward:CORRECT")
+    assert correct.returncode == 0 and "1 passed" in correct.stdout, correct.stdout
+
+
 def test_the_nan_rows_property_catches_a_backward_that_adds_every_pair():
     """A backward whose dV and dK are plain products (0 * NaN for the pairs that take no
     part) breaks the NaN-rows property; its correct twin passes it."""
