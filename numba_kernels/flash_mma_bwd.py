@@ -667,7 +667,8 @@ def dkdv_kernel_source(spec):
                           lane, w)
             cb, h_end = b * mask_steps[0], (int64(hk) + 1) * group
             last_q = first_q + tiles * QB
-            biased = HAS_MASK and bias_given(bias, bias_steps)
+            # the nonfinite variant (rare blocks) reads mask and bias in every tile: registers
+            biased = HAS_MASK and (NONFINITE or bias_given(bias, bias_steps))
             # the next step to copy: head h_next's step t_next
             h_next, t_next = head_steps(visible, cb, mask_steps, tile, int64(hk) * group,
                                         h_end, first_q, last_q, ends, tid)
@@ -682,7 +683,7 @@ def dkdv_kernel_source(spec):
             while h_next < h_end:  # the group's heads in order, their steps in order
                 h, t = h_next, t_next  # the step's tile and class: found again, not carried
                 start_q = step_tile(visible, cb, h * mask_steps[1], tile, t)
-                partial = reads_mask(visible, cb, h * mask_steps[1], tile, t)
+                partial = NONFINITE or reads_mask(visible, cb, h * mask_steps[1], tile, t)
                 h_next, t_next = next_step(visible, cb, mask_steps, tile, h, t, h_end,
                                            first_q, last_q, ends, tid)
                 warp.cp_async_wait(0)  # this thread's copies of this tile have landed
