@@ -1,0 +1,125 @@
+"""Sequence parallelism (numba_kernels/distributed/): how rows are sharded, and how a block of
+the sharded problem sees the whole problem's band through the kernel's own arguments."""
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from numba_kernels.distributed.block_band import (MASK_KEYS, LocalBand, block_band, block_mask,
+                                                  block_plan)
+from numba_kernels.distributed.sharding import shard_ranges, shard_length, take
+from reference.contract import check_attention_args, dense_visible
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 50), st.integers(1, 9), st.sampled_from(["contiguous", "zigzag"]))
+def test_shards_cover_the_sequence_once_and_balance(n, world, layout):
+    """Every row on exactly one rank; lengths within one (contiguous) or two (zigzag) of each
+    other; zigzag ranks hold a chunk from each end."""
+    ranges = shard_ranges(n, world, layout)
+    assert len(ranges) == world
+    rows = [i for rank in ranges for start, stop in rank for i in range(start, stop)]
+    assert sorted(rows) == list(range(n))
+    lengths = [shard_length(rank) for rank in ranges]
+    assert max(lengths) - min(lengths) <= (1 if layout == "contiguous" else 2)
+    for rank in ranges:
+        assert all(a[1] <= b[0] for a, b in zip(rank, rank[1:]))  # ascending, disjoint
+    if layout == "zigzag" and n >= 2 * world:
+        assert ranges[0][0][0] == 0 and ranges[0][-1][1] == n
+
+
+def test_shards_refuse_bad_arguments_by_name():
+    for args, name in (((-1, 2), "n"), ((4, 0), "world_size"), ((4, 2.0), "world_size"),
+                       ((4, True), "world_size")):
+        with pytest.raises(ValueError, match=name):
+            shard_ranges(*args)
+    with pytest.raises(ValueError, match="layout"):
+        shard_ranges(4, 2, "ring")
+
+
+def test_take_concatenates_a_ranks_ranges():
+    x = np.arange(2 * 10).reshape(1, 1, 10, 2)
+    got = take(x, ((1, 3), (7, 9)))
+    assert got[0, 0, :, 0].tolist() == [2, 4, 14, 16]
+
+
+def _visible(n_q, n_k, causal, window, kv_lengths):
+    """The contract's visibility (B, Nq, Nk) for one problem, from reference.contract."""
+    q = np.zeros((len(kv_lengths), 1, n_q, 1))
+    k = np.zeros((len(kv_lengths), 1, n_k, 1))
+    lengths = np.asarray(kv_lengths, np.int32)
+    pb = check_attention_args(q, k, k, causal=causal, window=window, kv_lengths=lengths)
+    return dense_visible(pb, None, lengths)[:, 0], pb
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 24), st.integers(1, 24), st.sampled_from([False, "top_left", "bottom_right"]),
+       st.one_of(st.none(), st.tuples(st.integers(-1, 6), st.integers(-1, 6))),
+       st.data())
+def test_a_blocks_arguments_show_the_whole_bands_pairs(n_q, n_k, causal, window, data):
+    """For random blocks (rows by keys) of random problems: the kernel's arguments block_band
+    gives, read by the contract, show exactly the block's pairs of the whole band; None only
+    for a block with none; "mask" gives them as block_mask."""
+    kv_len = data.draw(st.integers(0, n_k))
+    whole, pb = _visible(n_q, n_k, causal, window, [kv_len])
+    qo = data.draw(st.integers(0, n_q - 1))
+    q_stop = data.draw(st.integers(qo + 1, n_q))
+    ko = data.draw(st.integers(0, n_k - 1))
+    k_stop = data.draw(st.integers(ko + 1, n_k))
+    want = whole[0, qo:q_stop, ko:k_stop]
+    got = block_band(n_q, kv_len, pb.left, pb.right, pb.bottom_right, (qo, q_stop), (ko, k_stop))
+    if got is None:
+        assert not want.any()
+        return
+    if got == "mask":
+        rows = block_mask(n_q, kv_len, pb.left, pb.right, pb.bottom_right, (qo, q_stop),
+                          (ko, k_stop))
+        assert (np.array(rows, bool).reshape(want.shape) == want).all()
+        return
+    assert isinstance(got, LocalBand)
+    local, _ = _visible(q_stop - qo, k_stop - ko, got.causal, got.window, [got.kv_len])
+    assert (local[0] == want).all(), (got, local[0].astype(int), want.astype(int))
+
+
+def test_ring_blocks_of_a_causal_problem_need_no_mask():
+    """Self-attention sharded either way, causal either alignment: every block is empty,
+    whole, or said by the kernel's own arguments (a mask per block would cost the memory the
+    sharding is meant to save)."""
+    for n, world, layout in ((64, 4, "contiguous"), (64, 4, "zigzag"), (61, 3, "zigzag")):
+        ranges = [r for rank in shard_ranges(n, world, layout) for r in rank]
+        for causal in ("top_left", "bottom_right"):
+            _, pb = _visible(n, n, causal, None, [n])
+            for q_range in ranges:
+                for k_range in ranges:
+                    got = block_band(n, n, pb.left, pb.right, pb.bottom_right, q_range,
+                                     k_range)
+                    assert got != "mask", (n, world, layout, causal, q_range, k_range)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 300), st.sampled_from([False, "top_left", "bottom_right"]),
+       st.tuples(st.integers(-1, 40), st.integers(-1, 40)), st.data())
+def test_a_blocks_plan_shows_its_pairs_with_masks_only_on_narrow_parts(n, causal, window,
+                                                                         data):
+    """A sliding window narrower than the shards: block_plan's parts (keys cut in halves
+    where the kernel's arguments cannot say the band) show exactly the block's pairs, once
+    each, and a part that takes a mask is at most MASK_KEYS keys wide."""
+    kv_len = data.draw(st.integers(0, n))
+    whole, pb = _visible(n, n, causal, window, [kv_len])
+    qo = data.draw(st.integers(0, n - 1))
+    q_range = (qo, data.draw(st.integers(qo + 1, n)))
+    ko = data.draw(st.integers(0, n - 1))
+    k_range = (ko, data.draw(st.integers(ko + 1, n)))
+    want = whole[0, q_range[0]:q_range[1], k_range[0]:k_range[1]]
+    seen = np.zeros(want.shape, int)
+    for (start, stop), how in block_plan(n, kv_len, pb.left, pb.right, pb.bottom_right,
+                                         q_range, k_range):
+        cols = slice(start - ko, stop - ko)
+        if isinstance(how, LocalBand):
+            local, _ = _visible(q_range[1] - qo, stop - start, how.causal, how.window,
+                                [how.kv_len])
+            seen[:, cols] += local[0]
+        else:
+            assert stop - start <= MASK_KEYS
+            seen[:, cols] += np.array(how, bool).reshape(q_range[1] - qo, stop - start)
+    assert (seen == want).all()
