@@ -5,7 +5,8 @@ import numpy as np
 
 from reference.contract import check_flag
 from . import replay
-from .arrays import band, begin, dtype_of, results, side_inputs, sm_count
+from .arrays import (band, begin, dtype_of, is_cpu_tensor, on_device, results, side_inputs,
+                     sm_count)
 from .common import kernel_args
 from .flash_fwd import KernelSpec
 from .flash_mma import MMA_ARG_NAMES, MmaSpec, mma_kernel
@@ -57,6 +58,32 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
     return results(io, out, lse, return_lse)
 
 
+def forward_float32(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
+                    kv_lengths=None, window=None, kernel="auto", precision=None):
+    """(out, lse) as forward(..., return_lse=True) gives them, out float32 whatever q's
+    dtype: the result before its rounding to the inputs' dtype, for a caller that merges
+    results by their lse (distributed attention), where each part's rounding would add to
+    the error. Rounded to q's dtype (to nearest) it is forward's out. The kernel forward
+    would choose; not replayed, no autograd; CPU tensors go through NumPy."""
+    if is_cpu_tensor(q):
+        return on_device(forward_float32, (q, k, v), dict(
+            scale=scale, causal=causal, mask=mask, bias=bias, kv_lengths=kv_lengths,
+            window=window, kernel=kernel, precision=resolve_precision(precision, q)))
+    check_kernel(kernel)
+    precision = resolve_precision(precision, q)
+    pb, io, _, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
+    out = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.dv), "float32")
+    plan = call_plan(pb, kernel, None, mask is not None or bias is not None, precision,
+                     dict(q=q, k=k, v=v))
+    if plan.kernel == "mma":
+        mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, None,
+                    halves_summed(pb.dtype, plan.precision), float32_out=True)
+    else:
+        simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, None, None,
+                     float32_out=True)
+    return results(io, out, lse, True)
+
+
 def replay_key(inputs, scale=None, causal=False, window=None, return_lse=False,
                num_splits=None, kernel="auto", precision="highest", masked=False,
                biased=False):
@@ -67,15 +94,18 @@ def replay_key(inputs, scale=None, causal=False, window=None, return_lse=False,
                                     precision, masked, biased))
 
 
-def simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec):
-    """The SIMT kernel (flash_fwd.py) into out and lse, split-KV merged."""
+def simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec,
+                 float32_out=False):
+    """The SIMT kernel (flash_fwd.py) into out and lse, split-KV merged; float32_out: out is
+    float32 for any input dtype (the variants that write split-KV's partials)."""
     if pb.batch * pb.heads_q * pb.n_q > 0:  # else the outputs are empty: nothing to launch
         has_mask = mask is not None or bias is not None
         # Splitting depends on the tiles only, which do not depend on splitting.
         tiles = spec or choose_spec(pb.d, pb.dv, pb.dtype, has_mask)
         blocks, _, _ = launch_grid(pb.n_q, pb.batch, pb.heads_q, tiles)
         n_splits, split_len = _splits(pb, blocks, tiles.block_n, num_splits)
-        chosen = choose_spec(pb.d, pb.dv, pb.dtype, has_mask, partial=n_splits > 1)
+        chosen = choose_spec(pb.d, pb.dv, pb.dtype, has_mask,
+                             partial=n_splits > 1 or _unrounded(pb, float32_out))
         if spec is None:
             spec = chosen
         elif spec.d < pb.d or spec.dv < pb.dv or spec.dtype != pb.dtype \
@@ -93,7 +123,7 @@ def simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, 
             d_v=pb.dv, group=pb.group, heads_q=pb.heads_q, n_tiles=n_tiles,
             split_len=split_len, **band(pb), **steps))
         if n_splits > 1:
-            _merge(io, pb, dest, out, lse, n_splits)
+            _merge(io, pb, dest, out, lse, n_splits, float32_out)
 
 
 MERGE_THREADS = 128
@@ -119,10 +149,17 @@ def _partials(io, pb, n_splits):
             io.empty((n_splits * pb.batch, pb.heads_q, pb.n_q), "float32"))
 
 
-def _merge(io, pb, dest, out, lse, n_splits):
-    """out and lse from the partial results `dest` of n_splits splits (split_kv.py)."""
+def _unrounded(pb, float32_out):
+    """Whether a launch writes float32 where the inputs' dtype is 16 bits (float32_out)."""
+    return float32_out and pb.dtype != "float32"
+
+
+def _merge(io, pb, dest, out, lse, n_splits, float32_out=False):
+    """out (float32 where float32_out, else the inputs' dtype) and lse from the partial
+    results `dest` of n_splits splits (split_kv.py)."""
     elements = pb.batch * pb.heads_q * pb.n_q * pb.dv
-    launch(build_merge(pb.dtype), pb.dtype, -(-elements // MERGE_THREADS), MERGE_THREADS,
+    dtype = "float32" if float32_out else pb.dtype
+    launch(build_merge(dtype), dtype, -(-elements // MERGE_THREADS), MERGE_THREADS,
            io.stream, io.dev(dest[0]), io.dev(dest[1]), io.dev(out), io.dev(lse), n_splits)
 
 
@@ -167,12 +204,14 @@ def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     return results(io, out, lse, return_lse)
 
 
-def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, summed):
+def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, summed,
+                float32_out=False):
     """The tensor-core kernel (flash_mma.py) into out and lse, split-KV merged: its fast
     variant, then its careful variant for the blocks the fast one deferred (a row that
     ended non-finite, or, float32, a Q or K tile holding a NaN or an inf; most often none,
     and its blocks return at once). float32 goes through halves.py's pre-pass first;
-    summed: its variants that sum each step's products apart (precision "highest")."""
+    summed: its variants that sum each step's products apart (precision "highest");
+    float32_out: out is float32 for any input dtype (the partials' variants)."""
     if pb.batch * pb.heads_q * pb.n_q > 0:
         q_tiles = -(-pb.n_q // MMA_BLOCK_M)
         n_splits, split_len = _splits(pb, q_tiles * pb.batch * pb.heads_q, MMA_BLOCK_N,
@@ -195,9 +234,9 @@ def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, s
             n_q=pb.n_q, d=pb.d, d_v=pb.dv, group=pb.group, heads_q=pb.heads_q,
             split_len=split_len, **band(pb), **steps)
         for careful in (False, True):
-            spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype, has_mask, n_splits > 1,
-                           careful, summed)
+            spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype, has_mask,
+                           n_splits > 1 or _unrounded(pb, float32_out), careful, summed)
             launch(mma_kernel(spec), spec, (q_tiles, pb.batch * pb.heads_q, n_splits), 128,
                    io.stream, *args, shared=spec.dynamic_shared_bytes)
         if n_splits > 1:
-            _merge(io, pb, dest, out, lse, n_splits)
+            _merge(io, pb, dest, out, lse, n_splits, float32_out)

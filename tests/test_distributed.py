@@ -123,3 +123,31 @@ def test_a_blocks_plan_shows_its_pairs_with_masks_only_on_narrow_parts(n, causal
             assert stop - start <= MASK_KEYS
             seen[:, cols] += np.array(how, bool).reshape(q_range[1] - qo, stop - start)
     assert (seen == want).all()
+
+
+@pytest.mark.parametrize("dtype,kernel", [("bfloat16", "mma"), ("float16", "simt"),
+                                          ("float32", "auto")])
+def test_the_float32_result_rounds_to_the_forwards(dtype, kernel):
+    """forward_float32 (the parts a distributed call merges): its out rounded to the inputs'
+    dtype is the forward's out bit for bit, lse the same, and unrounded it is nearer the
+    float64 result than the rounded out for 16-bit inputs."""
+    torch = pytest.importorskip("torch")
+    import verify  # noqa: F401  (selects the simulator on a machine without a GPU)
+    import reference
+    from numba_kernels import flash_attention
+    from numba_kernels.forward import forward_float32
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 37, 16, generator=gen).to(getattr(torch, dtype))
+               for _ in range(3))
+    options = dict(causal="bottom_right", kernel=kernel)
+    out32, lse32 = forward_float32(q, k, v, **options)
+    out, lse = flash_attention(q, k, v, return_lse=True, **options)
+    assert out32.dtype == torch.float32
+    assert torch.equal(out32.to(q.dtype), out) and torch.equal(lse32, lse)
+    if dtype != "float32":
+        exact = reference.attention(*(x.double().numpy() for x in (q, k, v)),
+                                    causal="bottom_right")
+        err32 = np.abs(out32.double().numpy() - exact).max()
+        err16 = np.abs(out.double().numpy() - exact).max()
+        assert err32 < err16 * (0.75 if kernel == "mma" else 0.25)
