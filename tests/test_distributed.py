@@ -176,8 +176,9 @@ def _ring_inputs(case):
     return q, k, v, options
 
 
-def _ring_rank(rank, world, init, folder):
-    """One rank: every RING_CASES case through ring_attention on its shards, saved."""
+def _ring_rank(rank, world, init, folder, backward):
+    """One rank: every RING_CASES case through ring_attention on its shards, saved: (out,
+    lse), and with backward the shards' gradients for the loss sum(out * dout)."""
     import torch
     import torch.distributed as dist
 
@@ -185,39 +186,68 @@ def _ring_rank(rank, world, init, folder):
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        for i, case in enumerate(RING_CASES):
+        for i, case in enumerate(RING_CASES[:2] if backward else RING_CASES):
             q, k, v, options = _ring_inputs(case)
             ranges = shard_ranges(q.shape[2], world, case[0])[rank]
-            got = ring_attention(*(take(x, ranges) for x in (q, k, v)), layout=case[0],
-                                 return_lse=True, **options)
+            shards = [take(x, ranges).requires_grad_(backward) for x in (q, k, v)]
+            out, lse = ring_attention(*shards, layout=case[0], return_lse=True, **options)
+            got = (out.detach(), lse.detach())
+            if backward:
+                out.backward(take(_dout(q, v), ranges))
+                got = tuple(x.grad for x in shards)
             torch.save(got, os.path.join(folder, f"{i}-{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_ring_attention_on_gloo_ranks_meets_the_error_rule(world, tmp_path, monkeypatch):
+def _dout(q, v):
+    import torch
+
+    gen = torch.Generator().manual_seed(7)
+    return torch.randn(q.shape[:3] + v.shape[3:], generator=gen).to(q.dtype)
+
+
+def _placed(parts, ranges_of, like):
+    """The whole tensor from each rank's rows (parts[rank]), put back in place along dim 2."""
+    whole = like.new_zeros(like.shape)
+    for part, ranges in zip(parts, ranges_of):
+        at = 0
+        for start, stop in ranges:
+            whole[:, :, start:stop] = part[:, :, at:at + stop - start]
+            at += stop - start
+    return whole
+
+
+@pytest.mark.parametrize("world,backward", [(2, False), (3, False), (2, True)])
+def test_ring_attention_on_gloo_ranks_meets_the_error_rule(world, backward, tmp_path,
+                                                           monkeypatch):
     """world gloo processes in the simulator, each with its shards: the rows put back in
-    place pass verify's error rule against the float64 truth, out and lse, per (batch, head),
-    for causal both ways, windows, kv_lengths, GQA and lengths the ranks do not divide."""
+    place pass verify's error rule against the float64 truth, per (batch, head): out and lse
+    for causal both ways, a window, kv_lengths, GQA and lengths the ranks do not divide;
+    dq, dk and dv (the gradients' ring) for the first two of those."""
     torch = pytest.importorskip("torch")
     import torch.multiprocessing as mp
 
-    from verify.criterion import judge
+    from verify.criterion import judge, judge_backward
     monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
-    mp.spawn(_ring_rank, args=(world, f"file://{tmp_path}/init", str(tmp_path)), nprocs=world)
-    for i, case in enumerate(RING_CASES):
+    mp.spawn(_ring_rank, args=(world, f"file://{tmp_path}/init", str(tmp_path), backward),
+             nprocs=world)
+    for i, case in enumerate(RING_CASES[:2] if backward else RING_CASES):
         q, k, v, options = _ring_inputs(case)
-        out = torch.zeros(q.shape[:3] + v.shape[3:], dtype=q.dtype)
-        lse = torch.zeros(q.shape[:3])
-        for rank, ranges in enumerate(shard_ranges(q.shape[2], world, case[0])):
-            part_out, part_lse = torch.load(tmp_path / f"{i}-{rank}.pt")
-            at = 0
-            for start, stop in ranges:
-                out[:, :, start:stop] = part_out[:, :, at:at + stop - start]
-                lse[:, :, start:stop] = part_lse[:, :, at:at + stop - start]
-                at += stop - start
+        ranges_of = shard_ranges(q.shape[2], world, case[0])
+        parts = [torch.load(tmp_path / f"{i}-{rank}.pt") for rank in range(world)]
         wide = [x.float().numpy() for x in (q, k, v)]
         sides = {name: (x.numpy() if name == "kv_lengths" else x) for name, x in options.items()}
-        for c in judge(*wide, out.float().numpy(), lse.numpy(), dtype=case[6], **sides):
+        if backward:
+            grads = [_placed([p[n] for p in parts], ranges_of, x).float().numpy()
+                     for n, x in enumerate((q, k, v))]
+            verdicts = judge_backward(*wide, _dout(q, v).float().numpy(), grads,
+                                      dtype=case[6], **sides)
+        else:
+            out = _placed([p[0] for p in parts], ranges_of,
+                          torch.zeros(q.shape[:3] + v.shape[3:], dtype=q.dtype))
+            lse = _placed([p[1][..., None] for p in parts], ranges_of,
+                          torch.zeros(q.shape[:3] + (1,)))[..., 0]
+            verdicts = judge(*wide, out.float().numpy(), lse.numpy(), dtype=case[6], **sides)
+        for c in verdicts:
             assert c.passed, (case, c)
