@@ -194,7 +194,7 @@ def _ring_rank(rank, world, init, folder, backward):
             got = (out.detach(), lse.detach())
             if backward:
                 out.backward(take(_dout(q, v), ranges))
-                got = tuple(x.grad for x in shards)
+                got += tuple(x.grad for x in shards)
             torch.save(got, os.path.join(folder, f"{i}-{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -218,13 +218,14 @@ def _placed(parts, ranges_of, like):
     return whole
 
 
-@pytest.mark.parametrize("world,backward", [(2, False), (3, False), (2, True)])
+@pytest.mark.parametrize("world,backward", [(3, False), (2, True)])
 def test_ring_attention_on_gloo_ranks_meets_the_error_rule(world, backward, tmp_path,
                                                            monkeypatch):
     """world gloo processes in the simulator, each with its shards: the rows put back in
     place pass verify's error rule against the float64 truth, per (batch, head): out and lse
     for causal both ways, a window, kv_lengths, GQA and lengths the ranks do not divide;
-    dq, dk and dv (the gradients' ring) for the first two of those."""
+    dq, dk and dv (the gradients' ring, through autograd) for the first two of those, on 2
+    ranks."""
     torch = pytest.importorskip("torch")
     import torch.multiprocessing as mp
 
@@ -238,16 +239,15 @@ def test_ring_attention_on_gloo_ranks_meets_the_error_rule(world, backward, tmp_
         parts = [torch.load(tmp_path / f"{i}-{rank}.pt") for rank in range(world)]
         wide = [x.float().numpy() for x in (q, k, v)]
         sides = {name: (x.numpy() if name == "kv_lengths" else x) for name, x in options.items()}
+        out = _placed([p[0] for p in parts], ranges_of,
+                      torch.zeros(q.shape[:3] + v.shape[3:], dtype=q.dtype))
+        lse = _placed([p[1][..., None] for p in parts], ranges_of,
+                      torch.zeros(q.shape[:3] + (1,)))[..., 0]
+        verdicts = judge(*wide, out.float().numpy(), lse.numpy(), dtype=case[6], **sides)
         if backward:
-            grads = [_placed([p[n] for p in parts], ranges_of, x).float().numpy()
+            grads = [_placed([p[2 + n] for p in parts], ranges_of, x).float().numpy()
                      for n, x in enumerate((q, k, v))]
-            verdicts = judge_backward(*wide, _dout(q, v).float().numpy(), grads,
-                                      dtype=case[6], **sides)
-        else:
-            out = _placed([p[0] for p in parts], ranges_of,
-                          torch.zeros(q.shape[:3] + v.shape[3:], dtype=q.dtype))
-            lse = _placed([p[1][..., None] for p in parts], ranges_of,
-                          torch.zeros(q.shape[:3] + (1,)))[..., 0]
-            verdicts = judge(*wide, out.float().numpy(), lse.numpy(), dtype=case[6], **sides)
+            verdicts += judge_backward(*wide, _dout(q, v).float().numpy(), grads,
+                                       dtype=case[6], **sides)
         for c in verdicts:
             assert c.passed, (case, c)
