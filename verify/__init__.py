@@ -30,7 +30,7 @@ __all__ = ["compare", "replay", "assert_conforms", "Implementation", "Supports",
 
 def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports=None,
             suite="quick", seed=0, progress=True, timeout=None, cases=None, backward=False,
-            grad=None):
+            grad=None, world_size=None, shard_layout="contiguous"):
     """Run a suite against `impl` and return a Report.
 
     impl: a built-in name ("numba", "torch-efficient", ...), "MODULE:CALLABLE", an
@@ -42,8 +42,16 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
     backward: certify dq, dk, dv instead of the forward (verify.backward), on the suite's
     backward battery; grad: fn(q, k, v, dout, **options) -> (dq, dk, dv) in impl's array
     type, where impl is not a differentiable torch or JAX forward.
+    world_size: run impl on this many ranks (verify/distributed.py: impl follows its per-rank
+    protocol; each case's inputs sharded by shard_layout, "contiguous" or "zigzag", and its
+    rows put back in place before they are judged); the forward only, so far.
     """
     impl_spec = impl if isinstance(impl, str) else getattr(impl, "name", None) or _spec(impl)
+    if world_size is not None:
+        if backward or grad is not None:
+            raise ValueError("world_size: the backward across ranks is not certified yet")
+        from .distributed import spread, where_it_fails
+        impl = spread(impl, world_size, shard_layout)
     impl = _implementation(impl)
     for name, value in (("array", array), ("device", device), ("layout", layout),
                         ("supports", supports), ("timeout_s", timeout)):
@@ -78,6 +86,9 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
                 i, len(cases), t0, case) if progress else None)
             if result.verdict == "fail" and result.detail.startswith(HUNG):
                 hung = case.name
+            if result.verdict == "fail" and world_size is not None:  # which ranks' rows
+                where = where_it_fails(result, world_size, shard_layout)
+                result.detail += f"\nranks: {where}" if where else ""
         report.cases.append(result)
         if progress:
             _progress(f"[{i + 1}/{len(cases)} {time.perf_counter() - t0:5.0f}s] "

@@ -44,6 +44,11 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the certificate here")
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    ap.add_argument("--world-size", type=int, metavar="N",
+                    help="run IMPL on N ranks (its per-rank protocol: verify/distributed.py; "
+                         "gloo processes on a CPU, one GPU a rank with NCCL), the forward")
+    ap.add_argument("--shard-layout", default="contiguous", choices=["contiguous", "zigzag"],
+                    help="how each case's rows are sharded across the ranks")
     a = ap.parse_args(argv)
     if not a.impl and not a.replay:
         ap.error("name an implementation (IMPL), or a certificate with --replay")
@@ -65,7 +70,8 @@ def main(argv=None):
             report = replay(a.replay, a.impl, **options)
         else:
             report = compare(a.impl, dtypes=a.dtypes, suite=suite, seed=a.seed,
-                             backward=a.backward, **options)
+                             backward=a.backward, world_size=a.world_size,
+                             shard_layout=a.shard_layout, **options)
     except (ValueError, ImportError, AttributeError, OSError, KeyError) as e:
         print(f"python -m verify: {e}", file=sys.stderr)
         return 2

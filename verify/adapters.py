@@ -13,7 +13,8 @@ summed apart, forward and gradients: flash_mma.py and flash_mma_bwd.py with kern
 what "auto" runs for float32 by default, precision "highest", from 64 query rows without a
 mask or bias), numba-mma-backward (the same at precision "high", mma.sync's own sums),
 numba-mma (the tensor-core kernels alone:
-flash_mma.py's forward, flash_mma_bwd.py's backward), torch-math, torch-efficient,
+flash_mma.py's forward, flash_mma_bwd.py's backward), numba-ring (ring attention across
+ranks: with world_size, verify/distributed.py), torch-math, torch-efficient,
 torch-flash, torch-cudnn (PyTorch's SDPA backends), torch-flex (FlexAttention, with the
 case's mask as a BlockMask and bias as a score_mod), flash-attn, jax-xla, jax-cudnn. Each states the
 conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
@@ -234,7 +235,8 @@ class Implementation:
 
 
 BUILTIN_NAMES = ("reference", "numba", "numba-plain", "numba-tuned-backward",
-                 "numba-mma-backward", "numba-mma-highest", "numba-mma", "torch-math",
+                 "numba-mma-backward", "numba-mma-highest", "numba-mma", "numba-ring",
+                 "torch-math",
                  "torch-efficient", "torch-flash", "torch-cudnn", "torch-flex", "flash-attn",
                  "jax-xla", "jax-cudnn")
 
@@ -246,7 +248,8 @@ def builtin(name):
                  "numba-mma-backward": lambda: _numba(backward_kernel="mma",
                                                       precision="high"),
                  "numba-mma-highest": lambda: _numba(backward_kernel="mma"),
-                 "numba-mma": _numba_mma, "torch-flex": _torch_flex,
+                 "numba-mma": _numba_mma, "numba-ring": _numba_ring,
+                 "torch-flex": _torch_flex,
                  "flash-attn": _flash_attn}
     for backend in ("math", "efficient", "flash", "cudnn"):
         factories[f"torch-{backend}"] = lambda b=backend: _torch_sdpa(b)
@@ -406,6 +409,29 @@ def _numba_mma():
                           # the simulator emulates each warp instruction with 32 threads
                           timeout_s=120.0 if on_gpu else 900.0, grad=grad,
                           differentiable=False, warm=warm)
+
+
+def _numba_ring():
+    """Our ring attention (numba_kernels/distributed/ring.py) as the per-rank protocol of
+    verify/distributed.py takes it: run it with world_size (verify.compare, --world-size)."""
+    from numba_kernels import SIMULATOR
+
+    def fn(q, k, v, *, layout="contiguous", group=None, **options):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("numba-ring runs on the ranks of a group: certify it with "
+                               "world_size (verify.compare(..., world_size=N), --world-size)")
+        from numba_kernels.distributed.ring import ring_attention
+        return ring_attention(q, k, v, layout=layout, group=group, **options)
+
+    on_gpu = not SIMULATOR
+    return Implementation("numba-ring", fn, Supports(mask=False, bias=False),
+                          precision="the forward's, parts merged in float32",
+                          array="torch", device="cuda" if on_gpu else "cpu",
+                          version=f"numba-cuda {_version('numba_cuda')}"
+                          + ("" if on_gpu else " (CUDA simulator)"),
+                          timeout_s=120.0 if on_gpu else 900.0, differentiable=False)
 
 
 BOTH = ("top_left", "bottom_right")

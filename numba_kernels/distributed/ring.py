@@ -53,9 +53,12 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, dlse=None, layout="conti
                             kernel="auto", precision=None):
     """(dq, dk, dv) of this rank's shards, for the out and lse ring_attention returned for
     them and dout (this rank's rows of the gradient of out; dlse, of lse, where the loss
-    used it), in q's dtype. The options as ring_attention's, the same values."""
+    used it), in q's dtype. The options as ring_attention's, the same values (kernel "simt"
+    takes the tuned SIMT backward kernel)."""
     ring = _ring(q, k, v, layout, group, scale, causal, window, kv_lengths)
-    options = dict(scale=ring.pb.scale, kernel=kernel, precision=precision)
+    # the forward's kernel names, as the backward takes them ("simt": its tuned kernel)
+    options = dict(scale=ring.pb.scale, kernel={"simt": "tuned"}.get(kernel, kernel),
+                   precision=precision)
     q32, out32, dout32 = (x.float() for x in (q, out, dout))
     dq = torch.zeros_like(q32)
     held = (k.float(), v.float(), torch.zeros_like(k, dtype=torch.float32),
