@@ -6,6 +6,6 @@ def own_keys_only(q, k, v, *, layout, group, **options):
     """Each rank attends to its own shard's keys alone, as if they were the whole sequence
     (a ring that never passes K and V on). Under a top-left causal band with contiguous
     shards rank 0's rows are right (they see only its keys); the others' are not."""
-    from numba_kernels.forward import forward
+    from numba_kernels import flash_attention
 
-    return forward(q, k, v, **options)
+    return flash_attention(q, k, v, **options)

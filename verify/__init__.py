@@ -53,6 +53,9 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
         from .distributed import spread, where_it_fails
         impl = spread(impl, world_size, shard_layout)
     impl = _implementation(impl)
+    if impl.per_rank:
+        raise ValueError(f"{impl.name} runs on the ranks of a group: pass world_size "
+                         f"(--world-size N)")
     for name, value in (("array", array), ("device", device), ("layout", layout),
                         ("supports", supports), ("timeout_s", timeout)):
         if value is not None:

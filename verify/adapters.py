@@ -198,6 +198,9 @@ class Implementation:
     # (ours compile their kernel variants on every core); backward: gradients will be asked
     # for too; say(line) reports progress. pytest conformance calls it once a session.
     warm: object = None
+    # fn follows verify/distributed.py's per-rank protocol (called on every rank with its
+    # shards): certified with world_size only
+    per_rank: bool = False
 
     def __post_init__(self):
         self.check()
@@ -431,7 +434,8 @@ def _numba_ring():
                           array="torch", device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
                           + ("" if on_gpu else " (CUDA simulator)"),
-                          timeout_s=120.0 if on_gpu else 900.0, differentiable=False)
+                          timeout_s=120.0 if on_gpu else 900.0, differentiable=False,
+                          per_rank=True)
 
 
 BOTH = ("top_left", "bottom_right")
