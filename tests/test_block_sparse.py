@@ -108,6 +108,7 @@ def test_the_forward_kernels_skip_and_trust_the_classes(monkeypatch, kernel, dty
     assert close(out, biased) and not close(out, plain)
 
 
+@pytest.mark.long
 def test_the_tensor_core_backward_skips_and_trusts_the_classes(monkeypatch):
     """The dQ and dK, dV kernels walk their lists (by query tile; by key tile, across a
     group's heads): with the true classes the masked gradients, with every tile SKIP zeros,
@@ -129,9 +130,10 @@ def test_the_tensor_core_backward_skips_and_trusts_the_classes(monkeypatch):
                 got = io.dev(np.full(_host(got).shape, fill, np.uint8))
             return got
 
-        seen = None if fill == FULL else mask
-        out, lse = flash_attention(q, k, v, mask=seen, bias=bias, kernel="mma",
-                                   return_lse=True)
+        seen = None if fill == FULL else mask  # the forward's (the reference's: exact)
+        out, lse = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), mask=seen,
+                                       bias=bias, return_lse=True)
+        out, lse = out.astype(q.dtype), lse.astype(np.float32)
         monkeypatch.setattr(backward, "class_prepass", classes)
         got = flash_attention_backward(q, k, v, out, lse, dout, mask=mask, bias=bias,
                                        kernel="mma")

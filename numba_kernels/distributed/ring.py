@@ -251,10 +251,11 @@ def _pass(ring, tensors, source):
     if ring.world == 1:
         return _Passing([], tuple(x.clone() for x in tensors))
     ahead, behind = (ring.rank + 1) % ring.world, (ring.rank - 1) % ring.world
-    requests = dist.batch_isend_irecv(
-        [dist.P2POp(dist.isend, x.contiguous(), ahead, ring.group) for x in tensors]
-        + [dist.P2POp(dist.irecv, x, behind, ring.group) for x in coming])
-    return _Passing(requests, coming)
+    # an empty shard (fewer rows than ranks) is neither sent nor received: both ends know
+    ops = ([dist.P2POp(dist.isend, x.contiguous(), ahead, ring.group)
+            for x in tensors if x.numel()]
+           + [dist.P2POp(dist.irecv, x, behind, ring.group) for x in coming if x.numel()])
+    return _Passing(dist.batch_isend_irecv(ops) if ops else [], coming)
 
 
 def merge_into(out, lse, part_out, part_lse):
