@@ -54,15 +54,20 @@ def test_runs_from_another_directory(tmp_path):
     assert "1 passed" in run.stdout and "unrecognized arguments" not in run.stderr
 
 
+def run_gradient_properties(select, impl, *extra, examples=3):
+    """pytest on conformance/test_gradients.py's properties `select` (-k) against impl."""
+    cmd = [sys.executable, "-m", "pytest", "conformance/test_gradients.py", "-p",
+           "no:cacheprovider", "--tb=no", "-W", "ignore", "-k", select, "--impl", impl,
+           "--max-examples", str(examples), "--no-shrink", *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=600)
+
+
 def test_the_gradient_properties_catch_a_broken_backward():
     """With --backward, a dK that misses the scale breaks the gradient properties; its
     correct twin passes them; without it they are skipped."""
     def run(impl, *extra):
-        cmd = [sys.executable, "-m", "pytest", "conformance/test_gradients.py", "-p",
-               "no:cacheprovider", "--tb=no", "-W", "ignore", "-k", "error_within or gqa",
-               "--impl", impl, "--max-examples", "3", "--no-shrink", *extra]
-        return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                              capture_output=True, text=True, timeout=600)
+        return run_gradient_properties("error_within or gqa", impl, *extra)
 
     skipped = run("tests.broken_backward:DK_NOT_SCALED")
     assert skipped.returncode == 0 and "2 skipped" in skipped.stdout, skipped.stdout
@@ -78,11 +83,8 @@ def test_the_block_mask_gradient_property_catches_a_backward_that_skips_partial_
     """A backward that leaves a partly visible tile's pairs out of the gradients breaks the
     gradient property under block masks; its correct twin passes it."""
     def run(impl):
-        cmd = [sys.executable, "-m", "pytest", "conformance/test_gradients.py", "-p",
-               "no:cacheprovider", "--tb=no", "-W", "ignore", "-k", "gradient_masks and blocks",
-               "--impl", impl, "--max-examples", "30", "--no-shrink", "--backward"]
-        return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                              capture_output=True, text=True, timeout=600)
+        return run_gradient_properties("gradient_masks and blocks", impl, "--backward",
+                                       examples=30)
 
     broken = run("tests.broken_backward:PARTIAL_TILE_SKIPPED")
     assert broken.returncode == 1, broken.stdout + broken.stderr
@@ -95,17 +97,12 @@ def test_the_block_mask_gradient_property_catches_a_backward_that_skips_partial_
 def test_the_nan_rows_property_catches_a_backward_that_adds_every_pair():
     """A backward whose dV and dK are plain products (0 * NaN for the pairs that take no
     part) breaks the NaN-rows property; its correct twin passes it."""
-    def run(impl):
-        cmd = [sys.executable, "-m", "pytest", "conformance/test_gradients.py", "-p",
-               "no:cacheprovider", "--tb=no", "-W", "ignore", "-k", "nan_in_rows",
-               "--impl", impl, "--max-examples", "3", "--no-shrink", "--backward"]
-        return subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                              capture_output=True, text=True, timeout=600)
-
-    broken = run("tests.broken_backward:LEAKS_NAN_ROWS")
+    broken = run_gradient_properties("nan_in_rows", "tests.broken_backward:LEAKS_NAN_ROWS",
+                                     "--backward")
     assert broken.returncode == 1, broken.stdout + broken.stderr
     assert "property 'gradient NaN rows' broken" in broken.stdout, broken.stdout
-    correct = run("tests.broken_backward:CORRECT")
+    correct = run_gradient_properties("nan_in_rows", "tests.broken_backward:CORRECT",
+                                      "--backward")
     assert correct.returncode == 0 and "1 passed" in correct.stdout, correct.stdout
 
 
