@@ -36,6 +36,21 @@ def test_a_rank_that_keeps_its_own_keys_fails_on_the_other_ranks_rows():
     assert "rank 1's" in failed.detail and "rank 0's" not in failed.detail, failed.detail
 
 
+def test_a_merge_without_the_shift_overflows_where_ranks_parts_are_far_apart():
+    """The textbook lse merge (no shift by the larger part) on two ranks: under large scores
+    the ranks' parts of a row differ past float32's exp range, and the rows come back
+    non-finite; the ring's own merge passes the same case."""
+    from verify.adapters import Implementation, Supports
+
+    case = [(c, 0) for c in battery("quick", ("float32",)) if c.name == "large scores [float32]"]
+    impl = Implementation("naive merge", __import__(
+        "tests.broken_distributed", fromlist=["naive_merge"]).naive_merge,
+        Supports(mask=False, bias=False), array="torch")
+    report = verify.compare(impl, world_size=2, cases=case, progress=False)
+    assert not report.passed and "non-finite" in report.failures[0].detail, report
+    assert verify.compare("numba-ring", world_size=2, cases=case, progress=False).passed
+
+
 def test_world_size_is_refused_where_it_cannot_mean_anything():
     with pytest.raises(ValueError, match="world_size must be an integer"):
         verify.compare("numba-ring", world_size=0, cases=_cases()[:1], progress=False)
