@@ -84,7 +84,7 @@ def test_the_block_mask_gradient_property_catches_a_backward_that_skips_partial_
     gradient property under block masks; its correct twin passes it."""
     def run(impl):
         return run_gradient_properties("gradient_masks and blocks", impl, "--backward",
-                                       examples=30)
+                                       examples=8)
 
     broken = run("tests.broken_backward:PARTIAL_TILE_SKIPPED")
     assert broken.returncode == 1, broken.stdout + broken.stderr
