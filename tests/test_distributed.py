@@ -162,7 +162,7 @@ RING_CASES = [  # (layout, B, Hq, Hk, N, D, dtype, options): awkward lengths, bo
     ("contiguous", 1, 2, 2, 23, 8, "float16",
      dict(causal="bottom_right", kv_lengths=[19], kernel="simt")),
     ("zigzag", 2, 1, 1, 40, 8, "float32", dict(window=(5, 3), kv_lengths=[40, 22])),
-    ("zigzag", 1, 1, 1, 3, 8, "float32", dict(causal="bottom_right")),  # ranks with no rows
+    ("zigzag", 1, 1, 1, 1, 8, "float32", dict(causal="bottom_right")),  # a rank with no rows
 ]
 
 
@@ -227,12 +227,13 @@ def _placed(parts, ranges_of, like):
 
 @pytest.mark.long
 def test_ring_attention_on_gloo_ranks_meets_the_error_rule(tmp_path, monkeypatch):
-    """Three gloo processes in the simulator, each with its shards: the rows put back in
+    """Two gloo processes in the simulator (CI's two cores; the band's 3-way and uneven
+    shards are block_band's properties above), each with its shards: the rows put back in
     place pass verify's error rule against the float64 truth, per (batch, head): out and lse
     for causal both ways, a window, kv_lengths, GQA, lengths the ranks do not divide and
-    ranks with no rows; dq, dk and dv (the gradients' ring, through autograd) for the first
+    a rank with no rows; dq, dk and dv (the gradients' ring, through autograd) for the first
     BACKWARD_CASES of those."""
-    world = 3
+    world = 2
     torch = pytest.importorskip("torch")
     import torch.multiprocessing as mp
 
