@@ -45,14 +45,8 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
             return found.run(inputs)
     with replay.recording(key, inputs) as recorded:
         pb, io, out, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
-        plan = call_plan(pb, kernel, spec, mask is not None or bias is not None, precision,
-                         dict(q=q, k=k, v=v))
-        if plan.kernel == "mma":
-            mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
-                        halves_summed(pb.dtype, plan.precision))
-        else:
-            simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
-                          spec)
+        _planned(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec, kernel,
+                 precision)
         if recorded is not None:
             recorded.returns(out, lse, return_lse)
     return results(io, out, lse, return_lse)
@@ -73,15 +67,22 @@ def forward_float32(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     precision = resolve_precision(precision, q)
     pb, io, _, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
     out = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.dv), "float32")
-    plan = call_plan(pb, kernel, None, mask is not None or bias is not None, precision,
+    _planned(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, None, None, kernel, precision,
+             float32_out=True)
+    return results(io, out, lse, True)
+
+
+def _planned(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec, kernel,
+             precision, float32_out=False):
+    """The launches of the kernel call_plan chooses, into out and lse."""
+    plan = call_plan(pb, kernel, spec, mask is not None or bias is not None, precision,
                      dict(q=q, k=k, v=v))
     if plan.kernel == "mma":
-        mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, None,
-                    halves_summed(pb.dtype, plan.precision), float32_out=True)
+        mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
+                    halves_summed(pb.dtype, plan.precision), float32_out)
     else:
-        simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, None, None,
-                     float32_out=True)
-    return results(io, out, lse, True)
+        simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec,
+                     float32_out)
 
 
 def replay_key(inputs, scale=None, causal=False, window=None, return_lse=False,

@@ -69,14 +69,12 @@ def test_a_blocks_arguments_show_the_whole_bands_pairs(n_q, n_k, causal, window,
     ko = data.draw(st.integers(0, n_k - 1))
     k_stop = data.draw(st.integers(ko + 1, n_k))
     want = whole[0, qo:q_stop, ko:k_stop]
-    got = block_band(n_q, kv_len, pb.left, pb.right, pb.bottom_right, (qo, q_stop), (ko, k_stop))
+    got = block_band(pb, kv_len, (qo, q_stop), (ko, k_stop))
     if got is None:
         assert not want.any()
         return
     if got == "mask":
-        rows = block_mask(n_q, kv_len, pb.left, pb.right, pb.bottom_right, (qo, q_stop),
-                          (ko, k_stop))
-        assert (np.array(rows, bool).reshape(want.shape) == want).all()
+        assert (block_mask(pb, kv_len, (qo, q_stop), (ko, k_stop)) == want).all()
         return
     assert isinstance(got, LocalBand)
     local, _ = _visible(q_stop - qo, k_stop - ko, got.causal, got.window, [got.kv_len])
@@ -93,8 +91,7 @@ def test_ring_blocks_of_a_causal_problem_need_no_mask():
             _, pb = _visible(n, n, causal, None, [n])
             for q_range in ranges:
                 for k_range in ranges:
-                    got = block_band(n, n, pb.left, pb.right, pb.bottom_right, q_range,
-                                     k_range)
+                    got = block_band(pb, n, q_range, k_range)
                     assert got != "mask", (n, world, layout, causal, q_range, k_range)
 
 
@@ -114,8 +111,7 @@ def test_a_blocks_plan_shows_its_pairs_with_masks_only_on_narrow_parts(n, causal
     k_range = (ko, data.draw(st.integers(ko + 1, n)))
     want = whole[0, q_range[0]:q_range[1], k_range[0]:k_range[1]]
     seen = np.zeros(want.shape, int)
-    for (start, stop), how in block_plan(n, kv_len, pb.left, pb.right, pb.bottom_right,
-                                         q_range, k_range):
+    for (start, stop), how in block_plan(pb, kv_len, q_range, k_range):
         cols = slice(start - ko, stop - ko)
         if isinstance(how, LocalBand):
             local, _ = _visible(q_range[1] - qo, stop - start, how.causal, how.window,
@@ -123,7 +119,7 @@ def test_a_blocks_plan_shows_its_pairs_with_masks_only_on_narrow_parts(n, causal
             seen[:, cols] += local[0]
         else:
             assert stop - start <= MASK_KEYS
-            seen[:, cols] += np.array(how, bool).reshape(q_range[1] - qo, stop - start)
+            seen[:, cols] += how
     assert (seen == want).all()
 
 

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from reference.contract import check_attention_args
+from reference.contract import check_attention_args, row_lengths
 from ..backward import flash_attention_backward
 from ..forward import forward_float32
+from ..plan import BACKWARD_KERNEL
 from .block_band import LocalBand, block_plan
 from .sharding import shard_length, shard_ranges
 
@@ -56,8 +57,8 @@ def ring_attention_backward(q, k, v, out, lse, dout, *, dlse=None, layout="conti
     used it), in q's dtype. The options as ring_attention's, the same values (kernel "simt"
     takes the tuned SIMT backward kernel)."""
     ring = _ring(q, k, v, layout, group, scale, causal, window, kv_lengths)
-    # the forward's kernel names, as the backward takes them ("simt": its tuned kernel)
-    options = dict(scale=ring.pb.scale, kernel={"simt": "tuned"}.get(kernel, kernel),
+    # the forward's kernel names as the backward takes them ("simt": its tuned kernel)
+    options = dict(scale=ring.pb.scale, kernel=BACKWARD_KERNEL.get(kernel, kernel),
                    precision=precision)
     q32, out32, dout32 = (x.float() for x in (q, out, dout))
     dq = torch.zeros_like(q32)
@@ -164,9 +165,8 @@ def _ring(q, k, v, layout, group, scale, causal, window, kv_lengths):
                                  f"{layout!r} gives it {shard_length(rows)} of {n} ({rows})")
     pb = check_attention_args(*(_whole(x, n) for x, n in ((q, n_q), (k, n_k), (v, n_k))),
                               scale=scale, causal=causal, window=window, kv_lengths=kv_lengths)
-    lengths = [pb.n_k] * pb.batch if kv_lengths is None else \
-        [int(n) for n in torch.as_tensor(kv_lengths).reshape(-1).tolist()]
-    return _Ring(group, world, rank, pb, lengths, ranges["q"], ranges["k"])
+    return _Ring(group, world, rank, pb, row_lengths(pb, kv_lengths), ranges["q"],
+                 ranges["k"])
 
 
 def _whole(x, n):
@@ -184,8 +184,7 @@ def _blocks(ring, owner, q):
         for k_range in ring.k_ranges[owner]:
             plans = {}  # batch elements with the same plan go in one call
             for b, kv_len in enumerate(ring.lengths):
-                plan = block_plan(pb.n_q, kv_len, pb.left, pb.right, pb.bottom_right,
-                                  q_range, k_range)
+                plan = block_plan(pb, kv_len, q_range, k_range)
                 plans.setdefault(_plan_key(plan), (plan, []))[1].append(b)
             rows = slice(q_at, q_at + q_range[1] - q_range[0])
             for plan, batch in plans.values():
@@ -197,7 +196,7 @@ def _blocks(ring, owner, q):
 
 
 def _plan_key(plan):
-    return tuple((keys, how if isinstance(how, LocalBand) else tuple(map(tuple, how)))
+    return tuple((keys, how if isinstance(how, LocalBand) else (how.shape, how.tobytes()))
                  for keys, how in plan)
 
 
@@ -225,7 +224,7 @@ def _add(x, pick, at, part):
 def _sides(how, cols, n_batch, device):
     """The causal, window and kv_lengths (or mask) of a call that `how` says."""
     if not isinstance(how, LocalBand):
-        return dict(mask=torch.tensor(how, dtype=torch.bool, device=device)[None, None])
+        return dict(mask=torch.as_tensor(how, device=device)[None, None])
     lengths = None if how.kv_len >= cols.stop - cols.start else torch.full(
         (n_batch,), how.kv_len, dtype=torch.int32, device=device)
     return dict(causal=how.causal, window=how.window, kv_lengths=lengths)
