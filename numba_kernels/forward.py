@@ -79,10 +79,10 @@ def _planned(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec
                      dict(q=q, k=k, v=v))
     if plan.kernel == "mma":
         mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
-                    halves_summed(pb.dtype, plan.precision), float32_out)
+                    halves_summed(pb.dtype, plan.precision), float32_out=float32_out)
     else:
         simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec,
-                     float32_out)
+                     float32_out=float32_out)
 
 
 def replay_key(inputs, scale=None, causal=False, window=None, return_lse=False,

@@ -104,7 +104,7 @@ def test_the_gradients_follow_the_forwards_kernel_and_precision(monkeypatch):
                             lambda *a, name=name: ran.append((name, a[-1])))
     # the forward's choice is what is tested, not its values: the halves' launch left out
     monkeypatch.setattr(forward, "mma_forward",
-                        lambda *a: ran.append(("mma forward", "summed" if a[-1] else "")))
+                        lambda *a, **kw: ran.append(("mma forward", "summed" if a[-1] else "")))
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 16, generator=g).requires_grad_() for _ in range(3))
     flash_attention(q, k, v, kernel="simt").sum().backward()
