@@ -4,10 +4,25 @@ names the ranks whose rows fail."""
 import pytest
 
 import verify
-from verify.cases import battery
+from verify.adapters import Implementation, Supports
+from verify.backward import backward_battery
+from verify.cases import Case, battery
 
 pytest.importorskip("torch")
 NAMES = ("causal top_left 29x31", "large scores [float32]")
+RING = Supports(mask=False, bias=False)  # what ring attention claims
+
+
+def _broken(name, **kw):
+    """A per-rank implementation of tests/broken_distributed.py."""
+    import tests.broken_distributed as broken
+
+    return Implementation(name, getattr(broken, name), RING, array="torch", **kw)
+
+
+def _sharded(name, backward=False):
+    make = backward_battery if backward else battery
+    return [(c, 0) for c in make("quick", ("float32",), sharded=True) if c.name.startswith(name)]
 
 
 def _cases():
@@ -56,5 +71,57 @@ def test_world_size_is_refused_where_it_cannot_mean_anything():
         verify.compare("numba-ring", world_size=0, cases=_cases()[:1], progress=False)
     with pytest.raises(ValueError, match="pass world_size"):
         verify.compare("numba-ring", cases=_cases()[:1], progress=False)
-    with pytest.raises(ValueError, match="backward across ranks"):
-        verify.compare("numba-ring", world_size=2, backward=True, progress=False)
+    with pytest.raises(TypeError, match="grad must be callable"):
+        verify.compare("numba-ring", world_size=2, grad="not a function", progress=False)
+
+
+def test_ring_gradients_on_two_ranks_are_certified_where_later_ranks_hide_nan():
+    """The gradients across ranks (autograd on every rank, dq put back by the rows of q, dk
+    and dv by those of k), on the case whose later shards' keys are all hidden and NaN."""
+    report = verify.compare("numba-ring", world_size=2, backward=True, progress=False,
+                            cases=_sharded("ranks: NaN in every hidden key", backward=True))
+    assert len(report.cases) == 1 and report.passed, report
+
+
+@pytest.mark.parametrize("name, case, layout, owner", [
+    # the zigzag chunks taken late one first: a causal band seen wrongly
+    ("wrong_zigzag_order", "ranks: more ranks than rows", "zigzag", None),
+    # rank 1's rows placed at 1 x its own length: right only for equal shards
+    ("offsets_from_own_length", "ranks: more ranks than rows", "contiguous", None),
+    ("drops_last_shard", "ranks: more ranks than rows", "contiguous", "rank 1's"),
+    # kv_lengths counted in each rank's own keys: rank 1's hidden keys (and NaN) seen
+    ("local_kv_lengths", "ranks: NaN in every hidden key", "zigzag", None),
+])
+def test_each_sharding_bug_fails_its_case(name, case, layout, owner):
+    report = verify.compare(_broken(name), world_size=2, shard_layout=layout,
+                            cases=_sharded(case), progress=False)
+    assert len(report.cases) == 1 and not report.passed, report
+    assert "ranks: out: worst at row" in report.failures[0].detail
+    if owner:
+        assert owner in report.failures[0].detail, report.failures[0].detail
+
+
+def test_a_backward_that_reuses_its_first_k_and_v_fails():
+    """The forward right, the backward's second step on stale K and V: dq, dk, dv fail."""
+    from numba_kernels.distributed.ring import ring_attention
+    import tests.broken_distributed as broken
+
+    impl = Implementation("stale", ring_attention, RING, array="torch",
+                          grad=broken.stale_kv_grad)
+    case = Case("stale K and V", B=1, Hq=1, Hk=1, Nq=16, Nk=16, D=8, Dv=8, dtype="float32",
+                causal="top_left", backward=True)
+    report = verify.compare(impl, world_size=2, backward=True, cases=[(case, 0)],
+                            progress=False)
+    assert not report.passed, report
+    assert "dq: mismatched" in report.failures[0].detail, report.failures[0].detail
+
+
+def test_a_rank_that_raises_is_named_and_the_next_call_starts_anew():
+    """A rank that raises mid-call leaves the others waiting on it: they give up within
+    the call's time, every rank's error is reported, and the next call runs on new ranks."""
+    impl = _broken("raises_on_rank_1", timeout_s=16.0)  # the ranks wait 4 s for each other
+    cases = _sharded("ranks: more ranks than rows")
+    report = verify.compare(impl, world_size=2, cases=cases * 2, progress=False)
+    assert [r.verdict for r in report.cases] == ["fail", "fail"], report
+    for result in report.cases:  # the second found the ranks to answer it
+        assert "rank 1: raised ValueError: rank 1 gives up" in result.detail, result.detail

@@ -44,14 +44,13 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
     type, where impl is not a differentiable torch or JAX forward.
     world_size: run impl on this many ranks (verify/distributed.py: impl follows its per-rank
     protocol; each case's inputs sharded by shard_layout, "contiguous" or "zigzag", and its
-    rows put back in place before they are judged); the forward only, so far.
+    rows put back in place before they are judged; grad, if given, is then the per-rank
+    grad). The battery gains its cases for sharding (cases.battery's `sharded`).
     """
     impl_spec = impl if isinstance(impl, str) else getattr(impl, "name", None) or _spec(impl)
     if world_size is not None:
-        if backward or grad is not None:
-            raise ValueError("world_size: the backward across ranks is not certified yet")
         from .distributed import spread, where_it_fails
-        impl = spread(impl, world_size, shard_layout)
+        impl, grad = spread(impl, world_size, shard_layout, grad), None
     impl = _implementation(impl)
     if impl.per_rank:
         raise ValueError(f"{impl.name} runs on the ranks of a group: pass world_size "
@@ -76,7 +75,8 @@ def compare(impl, *, array=None, device=None, layout=None, dtypes=None, supports
     if cases is None:
         make = backward_battery if backward else battery
         cases = [(c, seed + i) for i, c in enumerate(
-            make(suite, dtypes, max_head_dim=impl.supports.max_head_dim))]
+            make(suite, dtypes, max_head_dim=impl.supports.max_head_dim,
+                 sharded=world_size is not None))]
     suite = f"{suite} backward" if backward and not explicit else suite
     report = Report(impl.describe(), suite, seed, environment(impl), impl_spec=impl_spec,
                     battery_hash=battery_hash([c for c, _ in cases]))

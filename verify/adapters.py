@@ -434,8 +434,8 @@ def _numba_ring():
                           array="torch", device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
                           + ("" if on_gpu else " (CUDA simulator)"),
-                          timeout_s=120.0 if on_gpu else 900.0, differentiable=False,
-                          per_rank=True)
+                          # its gradients: autograd through ring_attention on every rank
+                          timeout_s=120.0 if on_gpu else 900.0, per_rank=True)
 
 
 BOTH = ("top_left", "bottom_right")

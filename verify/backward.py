@@ -38,12 +38,12 @@ DOUTS = {
 GRADS = ("dq", "dk", "dv")
 
 
-def backward_battery(suite="quick", dtypes=None, max_head_dim=256):
+def backward_battery(suite="quick", dtypes=None, max_head_dim=256, sharded=False):
     """The forward battery's cases of values as backward cases, and the cases where backward
     kernels break: short rows with peaked softmax, dout of every kind, GQA reductions under a
-    mask, determinism of each gradient."""
+    mask, determinism of each gradient. sharded: as battery's."""
     kw = {} if dtypes is None else dict(dtypes=dtypes)
-    forward = battery(suite, max_head_dim=max_head_dim, **kw)
+    forward = battery(suite, max_head_dim=max_head_dim, sharded=sharded, **kw)
     cases = [replace(c, name=f"{c.name} (backward)", backward=True) for c in forward
              if c.check is None and not c.sampled]
     dtype = forward[0].dtype

@@ -94,7 +94,7 @@ class Case:
     causal: object = False  # False, "top_left", "bottom_right"
     window: tuple = None
     mask: str = None  # None, "random", "diagonal", "empty-rows", "single-key", BLOCK_MASKS
-    kv_lengths: str = None  # None, "random", "edges" (0, 1 and Nk)
+    kv_lengths: str = None  # None, "random", "edges" (0, 1 and Nk), "prefix" (Nk // 8 each)
     values: str = "normal"  # VALUES
     strided: bool = False  # inputs are non-contiguous views
     expanded: str = None  # EXPANDED: q, k and v are stride-0 views along this axis
@@ -169,6 +169,8 @@ def make_inputs(case, seed):
         lengths = rng.integers(1, case.Nk + 1, case.B)
         if case.kv_lengths == "edges":
             lengths = np.array([0, 1, case.Nk] * case.B)[: case.B]
+        elif case.kv_lengths == "prefix":  # within the first of 8 or more shards' keys
+            lengths = np.full(case.B, max(1, case.Nk // 8))
         options["kv_lengths"] = lengths.astype(np.int32)
     q, k, v = (cast(x, case.dtype) for x in (q, k, v))
     if case.values in ("nan-hidden", "inf-hidden"):
@@ -428,9 +430,10 @@ def _poison_keys(case, k, v, keep, tensor, value):
                           f"others, so poisoning cannot show a leak")
 
 
-def battery(suite="quick", dtypes=KERNEL_DTYPES, max_head_dim=256):
+def battery(suite="quick", dtypes=KERNEL_DTYPES, max_head_dim=256, sharded=False):
     """The cases of a suite, in a fixed order. max_head_dim: the largest head dim claimed
-    (one case runs at it)."""
+    (one case runs at it). sharded: with the cases that break attention split across ranks
+    by sequence (verify.compare's world_size)."""
     if suite not in SUITES:
         raise ValueError(f"suite must be one of {SUITES}, got {suite!r}")
     if suite == "scale":
@@ -481,6 +484,8 @@ def battery(suite="quick", dtypes=KERNEL_DTYPES, max_head_dim=256):
     _expanded(add, N, small)
     _non_finite(add, N)
     _call_checks(add, N)
+    if sharded:
+        _sharded(add, N)
     if not small:
         for d in (64, 96, 128, 256):
             add(f"head dim {d}", D=d, Dv=d, Nq=257, Nk=1023, causal="bottom_right")
@@ -672,6 +677,27 @@ def _non_finite(add, N):
                                                                     "bias"))
         kw = dict(dict(Nq=N(40), Nk=N(40)), **kw)
         add(f"{poison} in keys some rows see ({where})", poison=poison, **kw)
+
+
+def _sharded(add, N):
+    """Where attention split across ranks by sequence breaks (for any world size up to 8
+    and either shard layout): lengths no world size divides, the causal band across shard
+    edges (load-balanced layouts put a rank's rows far apart), ranks whose keys are all
+    hidden or hide NaN, ranks' parts of a row far apart (the merge's overflow)."""
+    add("ranks: lengths no world size divides (61x67), causal", Nq=N(61), Nk=N(67),
+        causal="top_left")
+    add("ranks: causal bottom_right, fewer rows than keys", Nq=N(23), Nk=N(67),
+        causal="bottom_right")
+    add("ranks: window (5, 3) across shard edges", Nq=N(64), Nk=N(64), window=(5, 3))
+    add("ranks: GQA 2:1, causal", Hq=4, Hk=2, causal="top_left", Nq=N(45), Nk=N(45))
+    add("ranks: more ranks than rows (3x5)", Nq=3, Nk=5, causal="bottom_right")
+    add("ranks: all keys past the first shard hidden", kv_lengths="prefix", Nq=N(45),
+        Nk=N(67))
+    add("ranks: NaN in every hidden key of the later shards", kv_lengths="prefix",
+        values="nan-hidden", Nq=N(45), Nk=N(67), causal="bottom_right")
+    add("ranks: large scores, causal (parts far apart)", values="large", causal="top_left",
+        Nq=N(61), Nk=N(61))
+    add("ranks: determinism, causal", repeat=True, causal="top_left", Nq=N(61), Nk=N(61))
 
 
 def _call_checks(add, N):

@@ -4,28 +4,39 @@ The implementation under test follows a per-rank protocol: on every rank of a
 torch.distributed group it is called as fn(q, k, v, *, layout, group, **options) with the
 rank's shards of q, k and v (torch tensors; the rows sharding.shard_ranges gives the rank
 under `layout`, "contiguous" or "zigzag") and the contract's options for the whole problem,
-and returns out for the rank's rows (and lse with return_lse=True).
+and returns out for the rank's rows (and lse with return_lse=True). Its gradients: where it
+is differentiable by torch's autograd, each rank differentiates its own call against its rows
+of dout (the ranks' backward passes run together, as their forwards did); or a per-rank
+grad(q, k, v, dout, *, layout, group, **options) -> (dq, dk, dv) of the rank's shards.
 
 `spread(impl, world_size, layout)` makes it an ordinary Implementation: this process is rank
 0 of a group of world_size (gloo on CPU processes, NCCL on one GPU a rank), the others are
 worker processes started at the first call. Each call sends the case's whole inputs to every
 rank, each rank calls the implementation on its shards, and rank 0 puts the rows back in
-place: verify then judges the whole by its one rule, per (batch, head), with every check it
-makes of any kernel. A failure's detail names the ranks whose rows fail (`rows_by_rank`).
+place (dq by the rows of q, dk and dv by the rows of k): verify then judges the whole by its
+one rule, per (batch, head), with every check it makes of any kernel. A failure's detail
+names the ranks whose rows fail (`rows_by_rank`).
 """
 import atexit
 import os
 import tempfile
+from collections import namedtuple
 
 from numba_kernels.distributed.sharding import LAYOUTS, shard_ranges, take
 from .adapters import Implementation
 
 _ACTIVE = []  # the world whose group this process is in (a process is in one at a time)
+# What a rank needs to answer a call: the implementation's (forward, grad), the group they
+# run on (their own, apart from the world's: a rank that stops mid-call can pair no call of
+# theirs with one of verify's), this rank, the world's size, the layout, the device kind
+_Rank = namedtuple("_Rank", "fns group rank size layout device")
 
 
-def spread(impl, world_size, layout="contiguous"):
+def spread(impl, world_size, layout="contiguous", grad=None):
     """The Implementation that runs `impl` (an Implementation or MODULE:CALLABLE / built-in
-    name following the per-rank protocol) on world_size ranks sharded by `layout`."""
+    name following the per-rank protocol) on world_size ranks sharded by `layout`; its
+    gradients by `grad` (the per-rank grad; it must be importable by name, as the workers
+    load it), impl's own, or autograd where impl is differentiable."""
     from .adapters import load
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -37,11 +48,15 @@ def spread(impl, world_size, layout="contiguous"):
     if impl.array != "torch":
         raise ValueError(f"{impl.name}: a distributed implementation takes torch tensors "
                          f"(array='torch'), got array={impl.array!r}")
-    world = _World(world_size, layout, spec or impl, impl.device)
+    if grad is not None and not callable(grad):
+        raise TypeError(f"grad must be callable or None, got {type(grad).__name__}")
+    world = _World(world_size, layout, spec or impl, impl.device, grad, impl.timeout_s)
+    has_grad = grad is not None or impl.grad is not None or impl.differentiable
     return Implementation(
         f"{impl.name} on {world_size} ranks ({layout})", world.call, impl.supports,
         array="torch", device=impl.device, layout=impl.layout, version=impl.version,
-        timeout_s=impl.timeout_s, precision=impl.precision, differentiable=False)
+        timeout_s=impl.timeout_s, precision=impl.precision, differentiable=False,
+        grad=world.grad if has_grad else None)
 
 
 def rows_by_rank(rows, n, world_size, layout):
@@ -54,13 +69,15 @@ def rows_by_rank(rows, n, world_size, layout):
 def where_it_fails(result, world_size, layout):
     """A failed CaseResult's line on the ranks: whose rows hold each failing tensor's
     largest error, and whether that row is at a shard's edge ("" where none is known)."""
-    edges = {i for ranges in shard_ranges(result.case.Nq, world_size, layout)
-             for start, stop in ranges for i in (start, stop - 1)}
     words = []
     for c in result.comparisons:
         if not c.passed and len(c.worst_index) >= 3:
+            # dk and dv have a row a key: the rows of k's shards
+            n = result.case.Nk if c.name in ("dk", "dv") else result.case.Nq
+            edges = {i for ranges in shard_ranges(n, world_size, layout)
+                     for start, stop in ranges for i in (start, stop - 1)}
             row = int(c.worst_index[2])
-            owner = rows_by_rank([row], result.case.Nq, world_size, layout)
+            owner = rows_by_rank([row], n, world_size, layout)
             words.append(f"{c.name}: worst at row {row}, {owner}'s"
                          + (" (a shard's edge)" if row in edges else ""))
     return "; ".join(words)
@@ -70,19 +87,23 @@ class _World:
     """The ranks of a spread implementation: this process as rank 0, the workers started
     at the first call and stopped at exit."""
 
-    def __init__(self, size, layout, impl, device):
+    def __init__(self, size, layout, impl, device, grad, timeout_s):
         self.size, self.layout, self.impl, self.device = size, layout, impl, device
-        self.workers, self.group_ready, self.fn = [], False, None
+        # a rank waits at most a quarter of a call's time for another in the implementation's
+        # calls (one that raised stops in mid-call), half of it in verify's: the errors, not a
+        # hang, come back within the call's time
+        self.grad_spec, self.timeout_s = grad, timeout_s
+        self.workers, self.group_ready, self.me = [], False, None
 
     def call(self, q, k, v, **options):
-        import torch
+        """out (and lse) of the whole problem, from every rank's rows."""
+        got = _exchange(self, _message(q, k, v, None, options))
+        return _put_back(got, [q.shape[2]] * len(got[0]), self.layout, q.device)
 
-        self._start()
-        message = dict(q=q.cpu(), k=k.cpu(), v=v.cpu(),
-                       options={n: x.cpu() if isinstance(x, torch.Tensor) else x
-                                for n, x in options.items()})
-        got = _exchange(self, message)
-        return _placed(got, self.layout, q, v, options.get("return_lse", False))
+    def grad(self, q, k, v, dout, **options):
+        """(dq, dk, dv) of the whole problem, from every rank's shards."""
+        got = _exchange(self, _message(q, k, v, dout, options))
+        return _put_back(got, [q.shape[2], k.shape[2], v.shape[2]], self.layout, q.device)
 
     def _start(self):
         if self.group_ready:
@@ -96,12 +117,16 @@ class _World:
         context = mp.get_context("spawn")
         for rank in range(1, self.size):
             worker = context.Process(target=_worker, daemon=True, args=(
-                rank, self.size, init, self.layout, self.impl, self.device))
+                rank, self.size, init, self.layout, self.impl, self.grad_spec, self.device,
+                self.timeout_s))
             worker.start()
             self.workers.append(worker)
         dist.init_process_group(_backend(self.device), init_method=init, rank=0,
-                                world_size=self.size)
-        self.group_ready, self.fn = True, _fn(self.impl)
+                                world_size=self.size, timeout=_seconds(self.timeout_s / 2))
+        self.group_ready = True
+        group = _own_group(self.device, self.timeout_s / 4)
+        self.me = _Rank(_fns(self.impl, self.grad_spec), group,
+                        0, self.size, self.layout, self.device)
         _ACTIVE[:] = [self]
         atexit.register(self._stop)
 
@@ -117,9 +142,38 @@ class _World:
             if self in _ACTIVE:
                 _ACTIVE.remove(self)
 
+    def abort(self):
+        """Stop every rank at once, wherever it is (after a rank raised: the others may be
+        waiting on it, and the group's calls no longer pair up); the next call starts anew."""
+        import torch.distributed as dist
+
+        for worker in self.workers:
+            worker.kill()
+            worker.join(timeout=30)
+        if self.group_ready:
+            dist.destroy_process_group()
+        self.group_ready, self.workers = False, []
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+
 
 def _backend(device):
     return "nccl" if device == "cuda" else "gloo"
+
+
+def _seconds(timeout_s):
+    import datetime
+
+    return datetime.timedelta(seconds=timeout_s)
+
+
+def _message(q, k, v, dout, options):
+    """A call's inputs as they go to every rank (CPU tensors); dout None for the forward."""
+    import torch
+
+    return dict(q=q.cpu(), k=k.cpu(), v=v.cpu(), dout=None if dout is None else dout.cpu(),
+                options={n: x.cpu() if isinstance(x, torch.Tensor) else x
+                         for n, x in options.items()})
 
 
 def _exchange(world, message):
@@ -127,60 +181,83 @@ def _exchange(world, message):
     naming the ranks that raised."""
     import torch.distributed as dist
 
+    world._start()
     dist.broadcast_object_list([message], src=0)
-    mine = _rank_result(world.fn, 0, world.size, world.layout, message, world.device)
+    mine = _rank_result(world.me, message)
     every = [None] * world.size
     dist.gather_object(mine, every, dst=0)
     errors = [f"rank {r}: {x}" for r, x in enumerate(every) if isinstance(x, str)]
     if errors:
+        world.abort()
         raise RuntimeError("; ".join(errors))
     return every
 
 
-def _fn(impl):
-    """The per-rank callable of an Implementation or a spec."""
+def _fns(impl, grad):
+    """(forward, grad) per-rank callables of an Implementation or a spec: grad the one
+    given, the implementation's own, or autograd through its forward."""
     from .adapters import load
+    from .backward import torch_grad
 
-    return (load(impl, array="torch") if isinstance(impl, str) else impl).fn
+    impl = load(impl, array="torch") if isinstance(impl, str) else impl
+    return impl.fn, grad or impl.grad or torch_grad(impl.fn)
 
 
-def _rank_result(fn, rank, size, layout, message, device):
-    """This rank's (out,) or (out, lse) on its shards, as CPU tensors, or the error's words."""
-    import torch
+def _own_group(device, timeout_s):
+    """The implementation's group: every rank, apart from the world's (every rank makes it
+    at its start, in the same order)."""
     import torch.distributed as dist
 
+    return dist.new_group(backend=_backend(device), timeout=_seconds(timeout_s))
+
+
+def _rank_result(me, message):
+    """This rank's (out,) or (out, lse) on its shards, or (dq, dk, dv) where the message
+    holds dout, as CPU tensors; or the error's words."""
+    import torch
+
     try:
-        place = f"cuda:{rank}" if device == "cuda" else "cpu"
-        q, k, v = (take(message[n], shard_ranges(message[n].shape[2], size, layout)[rank])
-                   .to(place) for n in ("q", "k", "v"))
+        place = f"cuda:{me.rank}" if me.device == "cuda" else "cpu"
+        q, k, v = (_shard(message[n], me).to(place) for n in ("q", "k", "v"))
         options = {n: x.to(place) if isinstance(x, torch.Tensor) else x
                    for n, x in message["options"].items()}
-        result = fn(q, k, v, layout=layout, group=dist.group.WORLD, **options)
+        options.update(layout=me.layout, group=me.group)
+        if message["dout"] is None:
+            result = me.fns[0](q, k, v, **options)
+        else:
+            result = tuple(me.fns[1](q, k, v, _shard(message["dout"], me).to(place),
+                                     **options))
         result = result if isinstance(result, tuple) else (result,)
         return tuple(x.detach().cpu() for x in result)
     except Exception as e:  # noqa: BLE001 - a rank's error is the call's result
         return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-def _placed(every, layout, q, v, return_lse):
-    """The whole out (and lse) from each rank's rows, put back in place."""
+def _shard(x, me):
+    """This rank's rows of x (B, H, N, ...) under the world's layout."""
+    return take(x, shard_ranges(x.shape[2], me.size, me.layout)[me.rank])
+
+
+def _put_back(every, lengths, layout, device):
+    """The whole tensors from every rank's results (each a tuple, its i-th tensor's rows
+    sharded from a sequence of lengths[i]), each rank's rows put back in place."""
     import torch
 
-    n, size = q.shape[2], len(every)
-    out = torch.zeros(q.shape[:3] + v.shape[3:], dtype=every[0][0].dtype)
-    lse = torch.zeros(q.shape[:3], dtype=torch.float32)
-    for result, ranges in zip(every, shard_ranges(n, size, layout)):
-        at = 0
-        for start, stop in ranges:
-            out[:, :, start:stop] = result[0][:, :, at:at + stop - start]
-            if return_lse:
-                lse[:, :, start:stop] = result[1][:, :, at:at + stop - start]
-            at += stop - start
-    out = out.to(q.device)
-    return (out, lse.to(q.device)) if return_lse else out
+    wholes = []
+    for i, n in enumerate(lengths):
+        pieces = [result[i] for result in every]
+        whole = torch.zeros(pieces[0].shape[:2] + (n,) + pieces[0].shape[3:],
+                            dtype=pieces[0].dtype)
+        for piece, ranges in zip(pieces, shard_ranges(n, len(every), layout)):
+            at = 0
+            for start, stop in ranges:
+                whole[:, :, start:stop] = piece[:, :, at:at + stop - start]
+                at += stop - start
+        wholes.append(whole.to(device))
+    return wholes[0] if len(wholes) == 1 else tuple(wholes)
 
 
-def _worker(rank, size, init, layout, impl, device):
+def _worker(rank, size, init, layout, impl, grad, device, timeout_s):
     """A worker rank: joins the group, then computes its shard of every call until told to
     stop (None)."""
     import torch.distributed as dist
@@ -188,13 +265,14 @@ def _worker(rank, size, init, layout, impl, device):
     if device == "cuda":
         import torch
         torch.cuda.set_device(rank)
-    dist.init_process_group(_backend(device), init_method=init, rank=rank, world_size=size)
-    fn = _fn(impl)
+    dist.init_process_group(_backend(device), init_method=init, rank=rank, world_size=size,
+                            timeout=_seconds(timeout_s / 2))
+    me = _Rank(_fns(impl, grad), _own_group(device, timeout_s / 4), rank, size, layout, device)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             break
-        dist.gather_object(_rank_result(fn, rank, size, layout, box[0], device), None, dst=0)
+        dist.gather_object(_rank_result(me, box[0]), None, dst=0)
     dist.destroy_process_group()
     os._exit(0)
