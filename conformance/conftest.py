@@ -6,12 +6,13 @@ import os
 
 import pytest
 
-from verify.device import gpu_present, use_simulator_if_no_gpu
+from verify.device import gpu_count, gpu_present, use_simulator_if_no_gpu
 
 from .plugin import ENV_IMPL
 
 
 def pytest_configure(config):
+    _one_gpu_a_worker(config)
     use_simulator_if_no_gpu()  # before anything imports numba.cuda
     from hypothesis import Phase, settings
 
@@ -40,6 +41,18 @@ def pytest_configure(config):
                             r"ignore:Grid size \d+ will likely result in GPU under-utilization")
 
 
+def _one_gpu_a_worker(config):
+    """Under pytest-xdist on a host of several GPUs, worker gwN takes GPU N mod their count
+    (CUDA_VISIBLE_DEVICES, before anything starts CUDA), so `pytest conformance -n G`
+    spreads the suite over G GPUs. Left alone where CUDA_VISIBLE_DEVICES is set already."""
+    worker = getattr(config, "workerinput", {}).get("workerid", "")
+    if not worker.startswith("gw") or "CUDA_VISIBLE_DEVICES" in os.environ:
+        return
+    gpus = gpu_count()
+    if gpus > 1:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(int(worker[2:]) % gpus)
+
+
 def pytest_sessionstart(session):
     """The implementation's warm hook (Implementation.warm) before the first test: ours
     compile their kernel variants on every core, once for the machine
@@ -55,14 +68,25 @@ def pytest_sessionstart(session):
 
 
 def _load(config):
+    """The implementation under test (spread over --world-size ranks where given)."""
     if config.conformance_impl is None:
         from verify.adapters import load
 
+        spec, world_size = config.conformance_impl_spec, config.getoption("--world-size")
         try:
-            config.conformance_impl = load(config.conformance_impl_spec)
+            if world_size is None:
+                impl = load(spec)
+            else:
+                from verify.distributed import spread
+
+                impl = spread(spec, world_size, config.getoption("--shard-layout"))
         except Exception as e:  # noqa: BLE001 - a clear usage error, not a traceback
-            raise pytest.UsageError(f"cannot load implementation "
-                                    f"{config.conformance_impl_spec!r}: {e}") from None
+            raise pytest.UsageError(f"cannot load implementation {spec!r}"
+                                    f"{'' if world_size is None else ' on ranks'}: {e}") from None
+        if impl.per_rank:
+            raise pytest.UsageError(f"{impl.name} runs on the ranks of a group: pass "
+                                    f"--world-size N")
+        config.conformance_impl = impl
     return config.conformance_impl
 
 
@@ -111,7 +135,8 @@ def pytest_terminal_summary(terminalreporter, config):
     implementation's costs (compile time)."""
     for report in terminalreporter.stats.get("failed", []):
         why = next((ln.strip().removeprefix("E").strip() for ln in report.longreprtext.splitlines()
-                    if "property '" in ln and "' broken for " in ln), None)
+                    if ln.startswith("E") and "property '" in ln and "' broken for " in ln),
+                   None)  # the error's line ("E ..."), not the source line that raised it
         if why:
             terminalreporter.write_line(f"conformance: {report.nodeid.split('::')[-1]}: "
                                         f"{why.removeprefix('AssertionError: ')}")

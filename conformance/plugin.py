@@ -22,6 +22,12 @@ def pytest_addoption(parser):
                     help="also test the gradients (dq, dk, dv): the implementation's own "
                          "(Implementation.grad), or through autograd or jax.vjp for torch "
                          "and JAX implementations")
+    group.addoption("--world-size", type=int, default=None,
+                    help="run the implementation on N ranks (verify/distributed.py's per-rank "
+                         "protocol: gloo processes on a CPU, one GPU a rank): every property "
+                         "holds of the whole result, and the sharding properties run")
+    group.addoption("--shard-layout", default="zigzag", choices=["contiguous", "zigzag"],
+                    help="how the ranks' rows are taken, with --world-size (default zigzag)")
     group.addoption("--no-shrink", action="store_true",
                     help="report the first failing example as drawn, without shrinking it "
                          "(for surveys of kernels that fail often: shrinking large inputs "

@@ -1,5 +1,6 @@
 """Deliberately broken distributed attention, in verify/distributed.py's per-rank protocol:
 verify.compare(..., world_size=N) must fail each for its reason."""
+from verify.adapters import Implementation, Supports
 
 
 def own_keys_only(q, k, v, *, layout, group, **options):
@@ -132,3 +133,9 @@ def stale_kv_grad(q, k, v, dout, *, layout, group, **options):
     with _patched("_pass", pass_stale):
         return ring.ring_attention_backward(q, k, v, out, lse, dout, layout=layout,
                                             group=group, **options)
+
+
+# wrong_zigzag_order as `pytest conformance --impl tests.broken_distributed:WRONG_ZIGZAG
+# --world-size 2` loads it (what ring attention claims, the per-rank protocol)
+WRONG_ZIGZAG = Implementation("wrong zigzag order", wrong_zigzag_order,
+                              Supports(mask=False, bias=False), array="torch", per_rank=True)

@@ -194,3 +194,43 @@ def test_the_suite_calls_the_implementation_warm_hook_once(tmp_path):
         assert "conformance: warm hook called" in run.stdout, run.stdout
         assert log.read_text().splitlines()[-1] == expected
     assert len(log.read_text().splitlines()) == 2
+
+
+def run_sharding(*args):
+    """The sharding properties (conformance/test_sharding.py) with these options."""
+    cmd = [sys.executable, "-m", "pytest", "conformance/test_sharding.py", "-p",
+           "no:cacheprovider", "--tb=no", "-W", "ignore", *args]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_world_size_options_are_usage_errors_where_they_cannot_apply():
+    run = run_sharding("--impl", "numba-ring")
+    assert run.returncode == 4 and "pass --world-size N" in run.stderr, run.stderr
+    run = run_sharding("--impl", "numba", "--world-size", "2")
+    assert run.returncode == 4 and "runs on one device" in run.stderr, run.stderr
+    run = run_sharding("--impl", "tests.broken_kernels:CORRECT")  # without ranks: skipped
+    assert run.returncode == 0 and "3 skipped" in run.stdout, run.stdout
+
+
+def test_the_sharding_properties_catch_a_wrong_zigzag_order():
+    run = run_sharding("-k", "split_problems", "--impl", "tests.broken_distributed:WRONG_ZIGZAG",
+                       "--world-size", "2", "--max-examples", "4", "--no-shrink")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert ("property 'the error bound across ranks' broken for wrong zigzag order on 2 ranks "
+            "(zigzag)") in run.stdout, run.stdout
+
+
+def test_each_xdist_worker_takes_its_own_gpu(monkeypatch):
+    from conformance import conftest
+
+    class Config:
+        workerinput = {"workerid": "gw5"}
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(conftest, "gpu_count", lambda: 4)
+    conftest._one_gpu_a_worker(Config())  # noqa: SLF001 - the hook's own helper
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # the user's choice stands
+    conftest._one_gpu_a_worker(Config())  # noqa: SLF001
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"

@@ -7,6 +7,14 @@ def gpu_present():
     return os.path.exists("/dev/nvidiactl")
 
 
+def gpu_count():
+    """The NVIDIA GPUs present (their device nodes, /dev/nvidia0, 1, ...), without starting
+    CUDA."""
+    import glob
+
+    return len([p for p in glob.glob("/dev/nvidia[0-9]*") if p[len("/dev/nvidia"):].isdigit()])
+
+
 def use_simulator_if_no_gpu():
     """Without a GPU, run Numba kernels in the CUDA simulator. Must run before numba.cuda is
     imported; returns True when the simulator is (or already was) chosen."""

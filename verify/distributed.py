@@ -23,7 +23,7 @@ import tempfile
 from collections import namedtuple
 
 from numba_kernels.distributed.sharding import LAYOUTS, shard_ranges, take
-from .adapters import Implementation
+from .adapters import BUILTIN_NAMES, Implementation
 
 _ACTIVE = []  # the world whose group this process is in (a process is in one at a time)
 # What a rank needs to answer a call: the implementation's (forward, grad), the group they
@@ -45,6 +45,9 @@ def spread(impl, world_size, layout="contiguous", grad=None):
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     spec = impl if isinstance(impl, str) else None
     impl = load(impl, array="torch") if isinstance(impl, str) else impl
+    if spec in BUILTIN_NAMES and not impl.per_rank:
+        raise ValueError(f"{impl.name} runs on one device; on ranks, an implementation of "
+                         f"the per-rank protocol (numba-ring, or MODULE:CALLABLE)")
     if impl.array != "torch":
         raise ValueError(f"{impl.name}: a distributed implementation takes torch tensors "
                          f"(array='torch'), got array={impl.array!r}")
