@@ -53,24 +53,65 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
             scale=scale, causal=causal, mask=mask, bias=bias, kv_lengths=kv_lengths,
             window=window, dlse=dlse, kernel=kernel,
             precision=resolve_precision(precision, q)))
-    pb, io, _, _ = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window, out=out,
-                         lse=lse, dout=dout, dlse=dlse)
-    _check_saved(pb, dict(q=q, k=k, v=v), dict(out=out, lse=lse, dout=dout, dlse=dlse))
-    has_mask = mask is not None or bias is not None
-    precision = resolve_precision(precision, q)
-    kernel = backward_plan(pb, kernel, has_mask, precision, dict(q=q, k=k, v=v, dout=dout))
+    pb, io, kernel, precision = _checked(q, k, v, out, lse, dout, dlse, scale, causal, mask,
+                                         bias, kv_lengths, window, kernel, precision)
     return _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, kernel,
                       precision)
 
 
+def backward_float32(q, k, v, out, lse, dout, *, scale=None, causal=False, mask=None,
+                     bias=None, kv_lengths=None, window=None, dlse=None, kernel="auto",
+                     precision=None):
+    """flash_attention_backward's (dq, dk, dv) before their rounding to q's dtype: float32
+    for any input dtype, the same arguments. For 16-bit inputs the tensor-core kernels'
+    float32_grads variants (scores recomputed as the tensor-core forward made them, bit for
+    bit); where those do not apply (the plan picks another kernel), the kernels on float32
+    copies of the inputs, whose scores are float32's own. Not replayed, no autograd; CPU
+    tensors go through NumPy. For gradients summed over parts (distributed/ring.py): W
+    parts then add no rounding of their own."""
+    options = dict(scale=scale, causal=causal, mask=mask, bias=bias, kv_lengths=kv_lengths,
+                   window=window, dlse=dlse, kernel=kernel)
+    if is_cpu_tensor(q):
+        return on_device(backward_float32, (q, k, v, out, lse, dout),
+                         dict(options, precision=resolve_precision(precision, q)))
+    pb, io, chosen, precision = _checked(q, k, v, out, lse, dout, dlse, scale, causal, mask,
+                                         bias, kv_lengths, window, kernel, precision)
+    if pb.dtype == "float32" or chosen != "mma":
+        q, k, v, out, dout = (_float32(x) for x in (q, k, v, out, dout))
+        return flash_attention_backward(q, k, v, out, lse, dout,
+                                        **dict(options, precision=precision))
+    return _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, chosen,
+                      precision, float32_grads=True)
+
+
+def _checked(q, k, v, out, lse, dout, dlse, scale, causal, mask, bias, kv_lengths, window,
+             kernel, precision):
+    """A call's problem and arrays (checked against the contract and the saved forward),
+    the kernel backward_plan picks and the precision it runs at."""
+    pb, io, _, _ = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window, out=out,
+                         lse=lse, dout=dout, dlse=dlse)
+    _check_saved(pb, dict(q=q, k=k, v=v), dict(out=out, lse=lse, dout=dout, dlse=dlse))
+    precision = resolve_precision(precision, q)
+    kernel = backward_plan(pb, kernel, mask is not None or bias is not None, precision,
+                           dict(q=q, k=k, v=v, dout=dout))
+    return pb, io, kernel, precision
+
+
+def _float32(x):
+    """x as float32 (a torch tensor, a NumPy or CuPy array), itself where it is already."""
+    return x.float() if hasattr(x, "float") and callable(x.float) else x.astype(np.float32)
+
+
 def _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, kernel,
-               precision):
+               precision, float32_grads=False):
     """(dq, dk, dv) of a checked call from the backward kernel `kernel` at `precision`,
-    after the delta kernel (delta = rowsum(dout * out), minus dlse)."""
+    after the delta kernel (delta = rowsum(dout * out), minus dlse); float32_grads (the
+    tensor-core kernels, 16-bit inputs): stored as float32."""
     has_mask = mask is not None or bias is not None
-    dq = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.d), pb.dtype)
-    dk = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.d), pb.dtype)
-    dv = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.dv), pb.dtype)
+    grads_dtype = "float32" if float32_grads else pb.dtype
+    dq = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.d), grads_dtype)
+    dk = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.d), grads_dtype)
+    dv = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.dv), grads_dtype)
     if pb.batch * pb.heads_k * pb.n_k == 0 and pb.batch * pb.heads_q * pb.n_q == 0:
         return io.result(dq), io.result(dk), io.result(dv)
     width = pad(max(pb.d, pb.dv))
@@ -87,8 +128,11 @@ def _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, ke
                *_ordered(DELTA_ARGS, dict(named, out=io.dev(out))))
         if dlse is not None:
             named["delta"] = _minus(io, named["delta"], dlse)
-    LAUNCHES[kernel](pb, io, named, dict(dq=io.dev(dq), dk=io.dev(dk), dv=io.dev(dv)),
-                     width, has_mask, precision)
+    grads = dict(dq=io.dev(dq), dk=io.dev(dk), dv=io.dev(dv))
+    if float32_grads:
+        _mma(pb, io, named, grads, width, has_mask, precision, float32_grads=True)
+    else:
+        LAUNCHES[kernel](pb, io, named, grads, width, has_mask, precision)
     return io.result(dq), io.result(dk), io.result(dv)
 
 
@@ -123,14 +167,14 @@ def _tuned(pb, io, named, grads, width, has_mask, precision):
                    shared=spec.dynamic_shared_bytes)
 
 
-def _mma(pb, io, named, grads, width, has_mask, precision):
+def _mma(pb, io, named, grads, width, has_mask, precision, float32_grads=False):
     """The tensor-core dK/dV and dQ kernels (flash_mma_bwd.py), after the pre-passes: with a
     mask or bias the visible lists each kernel walks (block_sparse.py: dQ's by query tile,
     dK/dV's by key tile), and the flags of the tiles of q, dout and k that hold a NaN or an
     inf (for float32, with q, k, v and dout split into float16 halves). Each kernel's fast
     variant, then its nonfinite variant for the blocks the fast one deferred (most often
     none: its blocks return at once); float32 at precision "highest" by the variants that
-    sum each step's products apart."""
+    sum each step's products apart; float32_grads: the 16-bit variants that store float32."""
     summed = halves_summed(pb.dtype, precision)
     qb = MmaBwdSpec("dkdv", mma_width(pb.d), mma_width(pb.dv), pb.dtype, has_mask).qb
     visible = {part: list_prepass(io, class_prepass(
@@ -153,7 +197,7 @@ def _mma(pb, io, named, grads, width, has_mask, precision):
                       visible=visible["dq" if part == "dq" else "kv"])
         for nonfinite in (False, True):
             spec = MmaBwdSpec(part, mma_width(pb.d), mma_width(pb.dv), pb.dtype, has_mask,
-                              nonfinite, summed)
+                              nonfinite, summed, float32_grads)
             launch(mma_bwd_kernel(spec), spec, (blocks, pb.batch * heads), MMA_THREADS,
                    io.stream, *_ordered(args, values), shared=spec.dynamic_shared_bytes)
 

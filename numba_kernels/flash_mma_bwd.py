@@ -86,14 +86,22 @@ class MmaBwdSpec:
     has_mask: bool
     nonfinite: bool = False  # the variant for blocks whose tiles hold a NaN or an inf
     summed: bool = False  # float32: each step's products summed apart (precision "highest")
+    # 16-bit inputs: the gradients stored as float32, unrounded (backward.backward_float32)
+    float32_grads: bool = False
 
     def check(self):
         if self.part not in PARTS or self.d not in MMA_WIDTHS \
                 or self.dv not in MMA_WIDTHS or self.dtype not in MMA_BWD_DTYPES \
-                or (self.summed and not self.halves):
+                or (self.summed and not self.halves) or (self.float32_grads and self.halves):
             raise ValueError(f"MmaBwdSpec: part in {PARTS}, d and dv in {MMA_WIDTHS}, dtype "
-                             f"in {MMA_BWD_DTYPES}, summed for float32 only; got {self}")
+                             f"in {MMA_BWD_DTYPES}, summed for float32 only, float32_grads "
+                             f"for 16-bit dtypes only; got {self}")
         return self
+
+    @property
+    def grads_dtype(self):
+        """The dtype the gradients are stored in."""
+        return "float32" if self.float32_grads or self.halves else self.dtype
 
     @property
     def ships(self):
@@ -156,10 +164,13 @@ class MmaBwdSpec:
 
 def mma_bwd_specs():
     """Every variant a call can launch, the pre-passes too: the PTX gate compiles each."""
-    return [s for s in (MmaBwdSpec(part, d, dv, dtype, m, n, summed).check() for part in PARTS
+    def options(dtype):  # (summed, float32_grads)
+        return ((False, False), (True, False)) if dtype == "float32" else (
+            (False, False), (False, True))
+
+    return [s for s in (MmaBwdSpec(part, d, dv, dtype, m, n, *o).check() for part in PARTS
                         for d in MMA_WIDTHS for dv in MMA_WIDTHS for dtype in MMA_BWD_DTYPES
-                        for m in (False, True) for n in (False, True)
-                        for summed in ((False, True) if dtype == "float32" else (False,)))
+                        for m in (False, True) for n in (False, True) for o in options(dtype))
             if s.ships] \
         + [ScanSpec(t) for t in MMA_DTYPES] + halves.halves_specs()
 
@@ -620,7 +631,7 @@ def dkdv_kernel_source(spec):
     step_tile, reads_mask, head_steps, next_step = make_query_walk(HAS_MASK, QB)
     ENDS = THREADS if HAS_MASK else 1  # slots of make_query_walk's ends
     load_kv_block = make_load_kv_block(copy_k, copy_v, load_v_fragments, STAGES_AT, DK)
-    store = CONVERTERS[spec.dtype][1]
+    store = CONVERTERS[spec.grads_dtype][1]
     store_dk, store_dv = make_store_rows(D, store), make_store_rows(DV, store)
 
     def mma_dkdv(q, k, v, mask, visible, bias, kv_lengths, dout, lse_in, delta, q_flags, dout_flags,
@@ -773,7 +784,7 @@ def dq_kernel_source(spec):
     q_probabilities = make_q_probabilities(NB, DS_FACTOR)
     add_dq, next_tile = (make_add_dq(dq_product, dq_seen_pairs, BRANCHED),
                          make_next_tile(copy_kv, STAGE))
-    store_dq = make_store_rows(D, CONVERTERS[spec.dtype][1])
+    store_dq = make_store_rows(D, CONVERTERS[spec.grads_dtype][1])
     HAS_MASK = spec.has_mask
     walk = make_tile_walk(HAS_MASK, KEY_TILE)
     walk_range, tile_start, reads_mask, WALK_STEP = (walk.walk_range, walk.tile_start,

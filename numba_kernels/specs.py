@@ -169,10 +169,11 @@ def scan_signature(spec):
 
 def mma_bwd_signature(spec):
     """Argument types of a tensor-core backward kernel (flash_mma_bwd.py): float32 inputs
-    arrive as float16 halves (halves.py), their gradients leave as float32."""
+    arrive as float16 halves (halves.py); the gradients leave in spec.grads_dtype."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
     args = MMA_DQ_ARGS if spec.part == "dq" else MMA_DKDV_ARGS  # dkdv, dk, dv
-    return arg_types(args, float16, elem) if spec.halves else arg_types(args, elem, elem)
+    return arg_types(args, float16 if spec.halves else elem,
+                     _NUMBA_TYPES[CONVERTERS[spec.grads_dtype][2]])
 
 
 def classes_signature(spec):

@@ -29,8 +29,6 @@ def naive_merge(q, k, v, *, layout, group, **options):
     float32's exp range (about 88), it overflows (the bug fixed elsewhere with logsigmoid)."""
     import torch
 
-    from numba_kernels.distributed import ring
-
     def merge_into(out, lse, part_out, part_lse):
         with torch.no_grad():
             first = torch.isneginf(lse)
@@ -40,27 +38,28 @@ def naive_merge(q, k, v, *, layout, group, **options):
             out.copy_(w_a * out + w_b * part_out)
             lse.copy_(new)
 
-    kept, ring.merge_into = ring.merge_into, merge_into
-    try:
+    with _patched("merge_into", lambda real: merge_into, "split") as ring:
         return ring.ring_attention(q, k, v, layout=layout, group=group, **options)
-    finally:
-        ring.merge_into = kept
 
 
-def _patched(name, replacement):
-    """A context in which ring.<name> is `replacement` (given the original)."""
+def _patched(name, replacement, module="ring"):
+    """A context in which <module>.<name> (numba_kernels.distributed's ring or split) is
+    `replacement` (given the original); it gives the ring module."""
     import contextlib
+    import importlib
 
     from numba_kernels.distributed import ring
 
+    where = importlib.import_module(f"numba_kernels.distributed.{module}")
+
     @contextlib.contextmanager
     def context():
-        kept = getattr(ring, name)
-        setattr(ring, name, replacement(kept))
+        kept = getattr(where, name)
+        setattr(where, name, replacement(kept))
         try:
             yield ring
         finally:
-            setattr(ring, name, kept)
+            setattr(where, name, kept)
 
     return context()
 
@@ -72,7 +71,7 @@ def wrong_zigzag_order(q, k, v, *, layout, group, **options):
     def ranges(real):
         return lambda n, world, layout: [tuple(reversed(r)) for r in real(n, world, layout)]
 
-    with _patched("shard_ranges", ranges) as ring:
+    with _patched("shard_ranges", ranges, "split") as ring:
         return ring.ring_attention(q, k, v, layout=layout, group=group, **options)
 
 
@@ -85,7 +84,7 @@ def offsets_from_own_length(q, k, v, *, layout, group, **options):
             return [((r * (b - a), r * (b - a) + b - a),) for r, ((a, b),) in enumerate(true)]
         return wrong
 
-    with _patched("shard_ranges", ranges) as ring:
+    with _patched("shard_ranges", ranges, "split") as ring:
         return ring.ring_attention(q, k, v, layout=layout, group=group, **options)
 
 
@@ -96,7 +95,7 @@ def local_kv_lengths(q, k, v, *, layout, group, **options):
         return lambda pb, kv_len, q_range, k_range: real(
             pb, min(kv_len + k_range[0], pb.n_k), q_range, k_range)
 
-    with _patched("block_plan", plan) as ring:
+    with _patched("block_plan", plan, "split") as ring:
         return ring.ring_attention(q, k, v, layout=layout, group=group, **options)
 
 
@@ -104,9 +103,10 @@ def drops_last_shard(q, k, v, *, layout, group, **options):
     """Ring attention whose loop ends a step early for the last rank's shard: no rank uses
     the keys of rank W - 1."""
     def blocks(real):
-        return lambda r, owner, q: iter(()) if owner == r.world - 1 else real(r, owner, q)
+        return lambda split, q_rank, k_rank: (iter(()) if k_rank == split.world - 1
+                                              else real(split, q_rank, k_rank))
 
-    with _patched("_blocks", blocks) as ring:
+    with _patched("blocks", blocks) as ring:
         return ring.ring_attention(q, k, v, layout=layout, group=group, **options)
 
 

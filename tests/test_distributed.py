@@ -151,6 +151,35 @@ def test_the_float32_result_rounds_to_the_forwards(dtype, kernel):
         assert err32 < err16 * (0.75 if kernel == "mma" else 0.25)
 
 
+@pytest.mark.parametrize("dtype,kernel", [("bfloat16", "mma"), ("float16", "tuned")])
+def test_the_float32_gradients_round_to_the_backwards(dtype, kernel):
+    """backward_float32 (the parts a distributed backward sums): float32 gradients that,
+    rounded to the inputs' dtype, are the backward's bit for bit on the tensor-core kernels
+    (the float32_grads variants: scores as the forward's); on other kernels float32 copies'
+    gradients, float32 too."""
+    torch = pytest.importorskip("torch")
+    import verify  # noqa: F401  (selects the simulator on a machine without a GPU)
+    from numba_kernels import flash_attention, flash_attention_backward
+    from numba_kernels.backward import backward_float32
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 37, 16, generator=gen).to(getattr(torch, dtype))
+    k, v = (torch.randn(1, 1, 45, 16, generator=gen).to(getattr(torch, dtype)) for _ in "kv")
+    dout = torch.randn(1, 2, 37, 16, generator=gen).to(getattr(torch, dtype))
+    options = dict(causal="bottom_right")
+    out, lse = flash_attention(q, k, v, return_lse=True, kernel="mma", **options)
+    grads32 = backward_float32(q, k, v, out, lse, dout, kernel=kernel, **options)
+    grads = flash_attention_backward(q, k, v, out, lse, dout, kernel=kernel, **options)
+    assert all(g.dtype == torch.float32 for g in grads32)
+    if kernel == "mma":
+        for name, g32, g in zip(("dq", "dk", "dv"), grads32, grads):
+            assert torch.equal(g32.to(q.dtype), g), name
+            assert not torch.equal(g32, g.float()), f"{name} was rounded before it was stored"
+    else:
+        for g32, g in zip(grads32, grads):
+            assert torch.allclose(g32, g.float(), rtol=2e-2, atol=2e-2)
+
+
 RING_CASES = [  # (layout, B, Hq, Hk, N, D, dtype, options): awkward lengths, both alignments
     # (the SIMT kernel: in the simulator the tensor-core one emulates each warp instruction,
     # and what is tested here is the ring, not the kernel)

@@ -31,8 +31,9 @@ def _cases():
     return [(c, i) for i, c in enumerate(chosen)]
 
 
-def test_ring_attention_on_two_ranks_is_certified():
-    report = verify.compare("numba-ring", world_size=2, shard_layout="zigzag",
+@pytest.mark.parametrize("scheme", ["numba-ring", "numba-allgather"])
+def test_our_schemes_on_two_ranks_are_certified(scheme):
+    report = verify.compare(scheme, world_size=2, shard_layout="zigzag",
                             cases=_cases(), progress=False)
     assert report.passed, report
     assert "on 2 ranks (zigzag)" in report.implementation["name"]

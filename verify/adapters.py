@@ -13,8 +13,9 @@ summed apart, forward and gradients: flash_mma.py and flash_mma_bwd.py with kern
 what "auto" runs for float32 by default, precision "highest", from 64 query rows without a
 mask or bias), numba-mma-backward (the same at precision "high", mma.sync's own sums),
 numba-mma (the tensor-core kernels alone:
-flash_mma.py's forward, flash_mma_bwd.py's backward), numba-ring (ring attention across
-ranks: with world_size, verify/distributed.py), torch-math, torch-efficient,
+flash_mma.py's forward, flash_mma_bwd.py's backward), numba-ring and numba-allgather (ring
+attention and the seed's all-gather scheme across ranks: with world_size,
+verify/distributed.py), torch-math, torch-efficient,
 torch-flash, torch-cudnn (PyTorch's SDPA backends), torch-flex (FlexAttention, with the
 case's mask as a BlockMask and bias as a score_mod), flash-attn, jax-xla, jax-cudnn. Each states the
 conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
@@ -239,6 +240,7 @@ class Implementation:
 
 BUILTIN_NAMES = ("reference", "numba", "numba-plain", "numba-tuned-backward",
                  "numba-mma-backward", "numba-mma-highest", "numba-mma", "numba-ring",
+                 "numba-allgather",
                  "torch-math",
                  "torch-efficient", "torch-flash", "torch-cudnn", "torch-flex", "flash-attn",
                  "jax-xla", "jax-cudnn")
@@ -251,7 +253,8 @@ def builtin(name):
                  "numba-mma-backward": lambda: _numba(backward_kernel="mma",
                                                       precision="high"),
                  "numba-mma-highest": lambda: _numba(backward_kernel="mma"),
-                 "numba-mma": _numba_mma, "numba-ring": _numba_ring,
+                 "numba-mma": _numba_mma, "numba-ring": lambda: _numba_split("ring"),
+                 "numba-allgather": lambda: _numba_split("allgather"),
                  "torch-flex": _torch_flex,
                  "flash-attn": _flash_attn}
     for backend in ("math", "efficient", "flash", "cudnn"):
@@ -414,27 +417,32 @@ def _numba_mma():
                           differentiable=False, warm=warm)
 
 
-def _numba_ring():
-    """Our ring attention (numba_kernels/distributed/ring.py) as the per-rank protocol of
-    verify/distributed.py takes it: run it with world_size (verify.compare, --world-size)."""
+def _numba_split(scheme):
+    """Our attention split across ranks (numba_kernels/distributed/): scheme "ring"
+    (ring.ring_attention) or "allgather" (allgather.allgather_attention, the seed's), as
+    the per-rank protocol of verify/distributed.py takes it: run it with world_size
+    (verify.compare, --world-size). Gradients by autograd through it on every rank."""
     from numba_kernels import SIMULATOR
 
     def fn(q, k, v, *, layout="contiguous", group=None, **options):
+        import importlib
+
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            raise RuntimeError("numba-ring runs on the ranks of a group: certify it with "
-                               "world_size (verify.compare(..., world_size=N), --world-size)")
-        from numba_kernels.distributed.ring import ring_attention
-        return ring_attention(q, k, v, layout=layout, group=group, **options)
+            raise RuntimeError(f"numba-{scheme} runs on the ranks of a group: certify it "
+                               "with world_size (verify.compare(..., world_size=N), "
+                               "--world-size)")
+        module = importlib.import_module(f"numba_kernels.distributed.{scheme}")
+        call = getattr(module, f"{scheme}_attention")
+        return call(q, k, v, layout=layout, group=group, **options)
 
     on_gpu = not SIMULATOR
-    return Implementation("numba-ring", fn, Supports(mask=False, bias=False),
+    return Implementation(f"numba-{scheme}", fn, Supports(mask=False, bias=False),
                           precision="the forward's, parts merged in float32",
                           array="torch", device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
                           + ("" if on_gpu else " (CUDA simulator)"),
-                          # its gradients: autograd through ring_attention on every rank
                           timeout_s=120.0 if on_gpu else 900.0, per_rank=True)
 
 
