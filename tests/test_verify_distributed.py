@@ -33,8 +33,9 @@ def _cases():
 
 @pytest.mark.parametrize("scheme", ["numba-ring", "numba-allgather"])
 def test_our_schemes_on_two_ranks_are_certified(scheme):
-    report = verify.compare(scheme, world_size=2, shard_layout="zigzag",
-                            cases=_cases(), progress=False)
+    cases = _cases() if scheme == "numba-ring" else _cases()[:1]  # (CI's time: one case)
+    report = verify.compare(scheme, world_size=2, shard_layout="zigzag", cases=cases,
+                            progress=False)
     assert report.passed, report
     assert "on 2 ranks (zigzag)" in report.implementation["name"]
 
@@ -120,7 +121,7 @@ def test_a_backward_that_reuses_its_first_k_and_v_fails():
 def test_a_rank_that_raises_is_named_and_the_next_call_starts_anew():
     """A rank that raises mid-call leaves the others waiting on it: they give up within
     the call's time, every rank's error is reported, and the next call runs on new ranks."""
-    impl = _broken("raises_on_rank_1", timeout_s=16.0)  # the ranks wait 4 s for each other
+    impl = _broken("raises_on_rank_1", timeout_s=8.0)  # the ranks wait 2 s for each other
     cases = _sharded("ranks: more ranks than rows")
     report = verify.compare(impl, world_size=2, cases=cases * 2, progress=False)
     assert [r.verdict for r in report.cases] == ["fail", "fail"], report
