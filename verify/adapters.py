@@ -16,8 +16,9 @@ numba-mma (the tensor-core kernels alone:
 flash_mma.py's forward, flash_mma_bwd.py's backward), numba-ring and numba-allgather (ring
 attention and the seed's all-gather scheme across ranks: with world_size,
 verify/distributed.py), torch-math, torch-efficient,
-torch-flash, torch-cudnn (PyTorch's SDPA backends), torch-flex (FlexAttention, with the
-case's mask as a BlockMask and bias as a score_mod), flash-attn, jax-xla, jax-cudnn. Each states the
+torch-flash, torch-cudnn (PyTorch's SDPA backends), torch-cp-efficient, torch-cp-flash,
+torch-cp-cudnn (PyTorch's context_parallel over them, per rank: with world_size),
+torch-flex (FlexAttention, with the case's mask as a BlockMask and bias as a score_mod), flash-attn, jax-xla, jax-cudnn. Each states the
 conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
 causal_lower_right), flash-attn's causal is bottom-right; neither returns lse from these
 entry points except flash-attn.
@@ -242,7 +243,8 @@ BUILTIN_NAMES = ("reference", "numba", "numba-plain", "numba-tuned-backward",
                  "numba-mma-backward", "numba-mma-highest", "numba-mma", "numba-ring",
                  "numba-allgather",
                  "torch-math",
-                 "torch-efficient", "torch-flash", "torch-cudnn", "torch-flex", "flash-attn",
+                 "torch-efficient", "torch-flash", "torch-cudnn", "torch-flex",
+                 "torch-cp-efficient", "torch-cp-flash", "torch-cp-cudnn", "flash-attn",
                  "jax-xla", "jax-cudnn")
 
 
@@ -259,6 +261,8 @@ def builtin(name):
                  "flash-attn": _flash_attn}
     for backend in ("math", "efficient", "flash", "cudnn"):
         factories[f"torch-{backend}"] = lambda b=backend: _torch_sdpa(b)
+    for backend in ("efficient", "flash", "cudnn"):
+        factories[f"torch-cp-{backend}"] = lambda b=backend: _torch_context_parallel(b)
     for impl in ("xla", "cudnn"):
         factories[f"jax-{impl}"] = lambda i=impl: _jax(i)
     assert sorted(factories) == sorted(BUILTIN_NAMES)
@@ -498,6 +502,54 @@ def _torch_sdpa(backend):
         version=f"torch {torch.__version__}",
         precision=f"torch's float32 matmul precision "
                   f"{torch.get_float32_matmul_precision()!r}")
+
+
+def _torch_context_parallel(backend):
+    """PyTorch's context parallelism (torch.distributed.tensor.experimental.context_parallel)
+    over an SDPA backend, in verify/distributed.py's per-rank protocol: each rank takes the
+    whole q, k and v from the ranks' shards (distributed.unsharded), context_parallel shards
+    them its own way (its load balancing on, as by default) and runs its ring of the
+    backend's kernel, and the output, unsharded, gives the rank its rows. The gathers move
+    values only: the result is context_parallel's. CUDA only: its ring takes the flash,
+    efficient and cudnn SDPA operators (on a CPU SDPA's own raises NotImplementedError)."""
+    import torch
+
+    chosen = {"efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION",
+              "cudnn": "CUDNN_ATTENTION"}[backend]
+    dtypes, max_d = TORCH_BACKENDS[backend][:2]
+
+    def fn(q, k, v, *, layout, group, scale=None, causal=False):
+        import torch.distributed as dist
+        import torch.nn.functional as F
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import (  # torch 2.13's home
+            context_parallel_unshard)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        from numba_kernels.distributed.sharding import shard_ranges, take
+        from .distributed import unsharded
+
+        mesh = DeviceMesh.from_group(group, q.device.type)
+        buffers = [unsharded(x, layout, group).contiguous() for x in (q, k, v)]
+        with sdpa_kernel(getattr(SDPBackend, chosen)), context_parallel(
+                mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
+            out = F.scaled_dot_product_attention(*buffers, is_causal=bool(causal),
+                                                 scale=scale)
+        (out,) = context_parallel_unshard(mesh, [out], [2])
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        return take(out, shard_ranges(out.shape[2], world, layout)[rank])
+
+    return Implementation(
+        f"torch-cp-{backend}", fn,
+        # one sequence (Nq == Nk: both causal alignments are is_causal), sharded into 2 W
+        # chunks by its load balancer: lengths multiples of 16 (up to 8 ranks)
+        Supports(dtypes=dtypes, causal=BOTH, mask=False, bias=False, kv_lengths=False,
+                 window=False, gqa=False, dv_differs=False, lse=False, max_head_dim=max_d,
+                 nonfinite_hidden=False, batch_invariant=False, equal_lengths=True,
+                 length_multiple=16),
+        array="torch", device="cuda" if torch.cuda.is_available() else "cpu",
+        version=f"torch {torch.__version__}", differentiable=False, per_rank=True)
 
 
 def _torch_flex():

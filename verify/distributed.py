@@ -86,6 +86,31 @@ def where_it_fails(result, world_size, layout):
     return "; ".join(words)
 
 
+def unsharded(x, layout, group=None):
+    """The whole of x (B, H, N, ...) on every rank of `group`, from each rank's shard under
+    `layout` (this rank's is x): for adapters of implementations that shard by a layout of
+    their own (they take the whole and shard it their way). An all-gather; values move, no
+    arithmetic."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(world)]
+    dist.all_gather(lengths, torch.tensor([x.shape[2]], device=x.device), group=group)
+    lengths = [int(n) for n in lengths]
+    padded = x.new_zeros(x.shape[:2] + (max(lengths),) + x.shape[3:])
+    padded[:, :, :x.shape[2]] = x
+    every = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(every, padded.contiguous(), group=group)
+    whole = x.new_empty(x.shape[:2] + (sum(lengths),) + x.shape[3:])
+    for piece, n, ranges in zip(every, lengths, shard_ranges(sum(lengths), world, layout)):
+        at = 0
+        for start, stop in ranges:
+            whole[:, :, start:stop] = piece[:, :, at:at + stop - start]
+            at += stop - start
+    return whole
+
+
 class _World:
     """The ranks of a spread implementation: this process as rank 0, the workers started
     at the first call and stopped at exit."""
