@@ -508,7 +508,8 @@ def _torch_context_parallel(backend):
     """PyTorch's context parallelism (torch.distributed.tensor.experimental.context_parallel)
     over an SDPA backend, in verify/distributed.py's per-rank protocol: each rank takes the
     whole q, k and v from the ranks' shards (distributed.unsharded), context_parallel shards
-    them its own way (its load balancing on, as by default) and runs its ring of the
+    them its own way (its load balancing on for causal calls, as by default; off for the
+    others, which it refuses with it) and runs its ring of the
     backend's kernel, and the output, unsharded, gives the rank its rows. The gathers move
     values only: the result is context_parallel's. CUDA only: its ring takes the flash,
     efficient and cudnn SDPA operators (on a CPU SDPA's own raises NotImplementedError)."""
@@ -532,10 +533,15 @@ def _torch_context_parallel(backend):
 
         mesh = DeviceMesh.from_group(group, q.device.type)
         buffers = [unsharded(x, layout, group).contiguous() for x in (q, k, v)]
-        with sdpa_kernel(getattr(SDPBackend, chosen)), context_parallel(
-                mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
-            out = F.scaled_dot_product_attention(*buffers, is_causal=bool(causal),
-                                                 scale=scale)
+        options = _cp_options()  # its load balancing takes causal calls only (it raises
+        kept, options.enable_load_balance = options.enable_load_balance, bool(causal)
+        try:  # "Load balancing requires is_causal=True" otherwise): off for the others
+            with sdpa_kernel(getattr(SDPBackend, chosen)), context_parallel(
+                    mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2]):
+                out = F.scaled_dot_product_attention(*buffers, is_causal=bool(causal),
+                                                     scale=scale)
+        finally:
+            options.enable_load_balance = kept
         (out,) = context_parallel_unshard(mesh, [out], [2])
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         return take(out, shard_ranges(out.shape[2], world, layout)[rank])
@@ -550,6 +556,21 @@ def _torch_context_parallel(backend):
                  length_multiple=16),
         array="torch", device="cuda" if torch.cuda.is_available() else "cpu",
         version=f"torch {torch.__version__}", differentiable=False, per_rank=True)
+
+
+def _cp_options():
+    """context_parallel's options object (private in torch: its home moved between
+    releases); AttributeError names both places where neither has it."""
+    import importlib
+
+    for home in ("torch.distributed.tensor.experimental._context_parallel._attention",
+                 "torch.distributed.tensor.experimental._attention"):
+        try:
+            return importlib.import_module(home)._cp_options
+        except (ImportError, AttributeError):
+            continue
+    raise AttributeError("torch's context_parallel options (_cp_options) are in neither "
+                         "place this adapter knows")
 
 
 def _torch_flex():
