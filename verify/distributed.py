@@ -8,10 +8,15 @@ and returns out for the rank's rows (and lse with return_lse=True). Its gradient
 is differentiable by torch's autograd, each rank differentiates its own call against its rows
 of dout (the ranks' backward passes run together, as their forwards did); or a per-rank
 grad(q, k, v, dout, *, layout, group, **options) -> (dq, dk, dv) of the rank's shards.
+`group` holds every rank and is the implementation's own: verify's messages go on another,
+so a rank that raises mid-call leaves the others waiting on the implementation's calls only;
+they give up after a quarter of the call's time, every rank's error is reported, and the
+ranks are started anew for the next call.
 
 `spread(impl, world_size, layout)` makes it an ordinary Implementation: this process is rank
 0 of a group of world_size (gloo on CPU processes, NCCL on one GPU a rank), the others are
-worker processes started at the first call. Each call sends the case's whole inputs to every
+worker processes started (spawned: a script needs `if __name__ == "__main__":`) at the
+first call. Each call sends the case's whole inputs to every
 rank, each rank calls the implementation on its shards, and rank 0 puts the rows back in
 place (dq by the rows of q, dk and dv by the rows of k): verify then judges the whole by its
 one rule, per (batch, head), with every check it makes of any kernel. A failure's detail
