@@ -77,9 +77,9 @@ def _load(config):
             if world_size is None:
                 impl = load(spec)
             else:
-                from verify.distributed import spread
+                from verify.distributed import layout_named, spread
 
-                impl = spread(spec, world_size, config.getoption("--shard-layout"))
+                impl = spread(spec, world_size, layout_named(config.getoption("--shard-layout")))
         except Exception as e:  # noqa: BLE001 - a clear usage error, not a traceback
             raise pytest.UsageError(f"cannot load implementation {spec!r}"
                                     f"{'' if world_size is None else ' on ranks'}: {e}") from None

@@ -26,8 +26,10 @@ def pytest_addoption(parser):
                     help="run the implementation on N ranks (verify/distributed.py's per-rank "
                          "protocol: gloo processes on a CPU, one GPU a rank): every property "
                          "holds of the whole result, and the sharding properties run")
-    group.addoption("--shard-layout", default="zigzag", choices=["contiguous", "zigzag"],
-                    help="how the ranks' rows are taken, with --world-size (default zigzag)")
+    group.addoption("--shard-layout", default="zigzag",
+                    help="how the ranks' rows are taken, with --world-size: contiguous, "
+                         "zigzag (the default) or MODULE:FUNCTION (function(n, world_size) -> "
+                         "each rank's (start, stop) ranges)")
     group.addoption("--no-shrink", action="store_true",
                     help="report the first failing example as drawn, without shrinking it "
                          "(for surveys of kernels that fail often: shrinking large inputs "

@@ -1,6 +1,7 @@
 """Sequence parallelism (numba_kernels/distributed/): how rows are sharded, and how a block of
 the sharded problem sees the whole problem's band through the kernel's own arguments."""
 import os
+import re
 
 import numpy as np
 import pytest
@@ -149,6 +150,28 @@ def test_the_float32_result_rounds_to_the_forwards(dtype, kernel):
         err32 = np.abs(out32.double().numpy() - exact).max()
         err16 = np.abs(out.double().numpy() - exact).max()
         assert err32 < err16 * (0.75 if kernel == "mma" else 0.25)
+
+
+def _last_first(n, world_size):
+    """A layout of one's own: contiguous shards, the last rank's first in the sequence."""
+    cuts = [c * n // world_size for c in range(world_size + 1)]
+    return [[(cuts[world_size - 1 - r], cuts[world_size - r])] for r in range(world_size)]
+
+
+def test_a_layout_function_gives_the_ranks_their_ranges_checked():
+    assert shard_ranges(10, 2, _last_first) == [((5, 10),), ((0, 5),)]
+    assert shard_ranges(1, 3, _last_first) == [((0, 1),), (), ()]  # empty ranges left out
+    broken = {
+        "cover rows 0..9 once": lambda n, w: [[(0, 6)], [(5, 10)]],  # row 5 twice
+        "gave 1 ranks' ranges": lambda n, w: [[(0, n)]],
+        "ascending order": lambda n, w: [[(5, 10), (0, 2)], [(2, 5)]],
+        "a list of (start, stop) ranges": lambda n, w: [[0], [1]],
+    }
+    for words, layout in broken.items():
+        with pytest.raises(ValueError, match=r"layout .*<lambda>\(10, 2\).*" + re.escape(words)):
+            shard_ranges(10, 2, layout)
+    with pytest.raises(ValueError, match="or a function"):
+        shard_ranges(10, 2, "striped")
 
 
 @pytest.mark.parametrize("dtype,kernel", [("bfloat16", "mma"), ("float16", "tuned")])

@@ -127,3 +127,25 @@ def test_a_rank_that_raises_is_named_and_the_next_call_starts_anew():
     assert [r.verdict for r in report.cases] == ["fail", "fail"], report
     for result in report.cases:  # the second found the ranks to answer it
         assert "rank 1: raised ValueError: rank 1 gives up" in result.detail, result.detail
+
+
+def last_first(n, world_size):
+    """A shard layout of one's own (the last rank's rows first), importable by name."""
+    from tests.test_distributed import _last_first
+
+    return _last_first(n, world_size)
+
+
+def test_a_layout_of_ones_own_shards_the_cases_and_the_ring():
+    """shard_layout as a function: verify shards and puts back by it, the ring takes it
+    (split.split_call reads it through shard_ranges), and the certificate names it; a
+    name that is not one is refused by name."""
+    from verify.distributed import layout_named
+
+    layout = layout_named("tests.test_verify_distributed:last_first")
+    report = verify.compare("numba-ring", world_size=2, shard_layout=layout,
+                            cases=_cases()[:1], progress=False)
+    assert report.passed, report
+    assert "(last_first)" in report.implementation["name"]
+    with pytest.raises(ValueError, match="shard layout must be one of"):
+        layout_named("striped")

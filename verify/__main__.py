@@ -46,10 +46,20 @@ def main(argv=None):
     ap.add_argument("--quiet", action="store_true", help="no progress lines")
     ap.add_argument("--world-size", type=int, metavar="N",
                     help="run IMPL on N ranks (its per-rank protocol: verify/distributed.py; "
-                         "gloo processes on a CPU, one GPU a rank with NCCL), the forward")
-    ap.add_argument("--shard-layout", default="contiguous", choices=["contiguous", "zigzag"],
-                    help="how each case's rows are sharded across the ranks")
+                         "gloo processes on a CPU, one GPU a rank with NCCL), forward or "
+                         "with --backward")
+    ap.add_argument("--shard-layout", default="contiguous",
+                    help="how each case's rows are sharded across the ranks: contiguous, "
+                         "zigzag, or MODULE:FUNCTION (function(n, world_size) -> each rank's "
+                         "(start, stop) ranges)")
     a = ap.parse_args(argv)
+    if a.world_size is not None:
+        from .distributed import layout_named
+
+        try:
+            a.shard_layout = layout_named(a.shard_layout)
+        except ValueError as e:
+            ap.error(f"--shard-layout: {e}")
     if not a.impl and not a.replay:
         ap.error("name an implementation (IMPL), or a certificate with --replay")
     refused = _refusal(a)

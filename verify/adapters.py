@@ -18,8 +18,8 @@ attention and the seed's all-gather scheme across ranks: with world_size,
 verify/distributed.py), torch-math, torch-efficient,
 torch-flash, torch-cudnn (PyTorch's SDPA backends), torch-cp-efficient, torch-cp-flash,
 torch-cp-cudnn (PyTorch's context_parallel over them, per rank: with world_size),
-torch-flex (FlexAttention, with the case's mask as a BlockMask and bias as a score_mod), flash-attn, jax-xla, jax-cudnn. Each states the
-conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
+torch-flex (FlexAttention, with the case's mask as a BlockMask and bias as a score_mod),
+flash-attn, jax-xla, jax-cudnn. Each states the conventions of its library: PyTorch's is_causal is top-left (bottom-right goes through
 causal_lower_right), flash-attn's causal is bottom-right; neither returns lse from these
 entry points except flash-attn.
 """

@@ -46,8 +46,9 @@ def spread(impl, world_size, layout="contiguous", grad=None):
 
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not callable(layout) and layout not in LAYOUTS:
+        raise ValueError(f"shard_layout must be one of {LAYOUTS} or a function (n, "
+                         f"world_size) -> every rank's ranges, got {layout!r}")
     spec = impl if isinstance(impl, str) else None
     impl = load(impl, array="torch") if isinstance(impl, str) else impl
     if spec in BUILTIN_NAMES and not impl.per_rank:
@@ -61,10 +62,30 @@ def spread(impl, world_size, layout="contiguous", grad=None):
     world = _World(world_size, layout, spec or impl, impl.device, grad, impl.timeout_s)
     has_grad = grad is not None or impl.grad is not None or impl.differentiable
     return Implementation(
-        f"{impl.name} on {world_size} ranks ({layout})", world.call, impl.supports,
+        f"{impl.name} on {world_size} ranks ({getattr(layout, '__qualname__', layout)})",
+        world.call, impl.supports,
         array="torch", device=impl.device, layout=impl.layout, version=impl.version,
         timeout_s=impl.timeout_s, precision=impl.precision, differentiable=False,
         grad=world.grad if has_grad else None)
+
+
+def layout_named(spec):
+    """The shard layout a command line names: "contiguous", "zigzag", or MODULE:FUNCTION (a
+    function (n, world_size) -> every rank's ranges, sharding.shard_ranges's kind).
+    ValueError where it names none."""
+    import importlib
+
+    if spec in LAYOUTS:
+        return spec
+    module, _, name = str(spec).partition(":")
+    try:
+        function = getattr(importlib.import_module(module), name) if name else None
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"shard layout {spec!r}: {e}") from None
+    if not callable(function):
+        raise ValueError(f"shard layout must be one of {LAYOUTS} or MODULE:FUNCTION, got "
+                         f"{spec!r}")
+    return function
 
 
 def rows_by_rank(rows, n, world_size, layout):
