@@ -33,7 +33,8 @@ def _cases():
 
 @pytest.mark.parametrize("scheme", ["numba-ring", "numba-allgather"])
 def test_our_schemes_on_two_ranks_are_certified(scheme):
-    cases = _cases() if scheme == "numba-ring" else _cases()[:1]  # (CI's time: one case)
+    # one case each for CI's time: large scores for the ring, the causal band for the other
+    cases = _cases()[1:] if scheme == "numba-ring" else _cases()[:1]
     report = verify.compare(scheme, world_size=2, shard_layout="zigzag", cases=cases,
                             progress=False)
     assert report.passed, report
