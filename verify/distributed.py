@@ -16,7 +16,8 @@ ranks are started anew for the next call.
 `spread(impl, world_size, layout)` makes it an ordinary Implementation: this process is rank
 0 of a group of world_size (gloo on CPU processes, NCCL on one GPU a rank), the others are
 worker processes started (spawned: a script needs `if __name__ == "__main__":`) at the
-first call. Each call sends the case's whole inputs to every
+first call and kept for every spread implementation of the same size, device and timeout
+(each message says what to run and how to shard). Each call sends the case's whole inputs to every
 rank, each rank calls the implementation on its shards, and rank 0 puts the rows back in
 place (dq by the rows of q, dk and dv by the rows of k): verify then judges the whole by its
 one rule, per (batch, head), with every check it makes of any kernel. A failure's detail
@@ -30,11 +31,11 @@ from collections import namedtuple
 from numba_kernels.distributed.sharding import LAYOUTS, shard_ranges, take
 from .adapters import BUILTIN_NAMES, Implementation
 
-_ACTIVE = []  # the world whose group this process is in (a process is in one at a time)
-# What a rank needs to answer a call: the implementation's (forward, grad), the group they
-# run on (their own, apart from the world's: a rank that stops mid-call can pair no call of
-# theirs with one of verify's), this rank, the world's size, the layout, the device kind
-_Rank = namedtuple("_Rank", "fns group rank size layout device")
+_ACTIVE = {}  # (size, device, timeout_s): the _Ranks this process is rank 0 of (one at most)
+# What a rank needs to answer a call: the group the implementation runs on (its own, apart
+# from the world's: a rank that stops mid-call can pair no call of the implementation's with
+# one of verify's), this rank, the world's size, the device kind
+_Rank = namedtuple("_Rank", "group rank size device")
 
 
 def spread(impl, world_size, layout="contiguous", grad=None):
@@ -138,53 +139,57 @@ def unsharded(x, layout, group=None):
 
 
 class _World:
-    """The ranks of a spread implementation: this process as rank 0, the workers started
-    at the first call and stopped at exit."""
+    """A spread implementation's view of the ranks: what it runs on them (impl, grad) and
+    how its cases are sharded (layout); the ranks themselves (_Ranks) are shared by every
+    spread implementation of the same size, device and timeout."""
 
     def __init__(self, size, layout, impl, device, grad, timeout_s):
         self.size, self.layout, self.impl, self.device = size, layout, impl, device
-        # a rank waits at most a quarter of a call's time for another in the implementation's
-        # calls (one that raised stops in mid-call), half of it in verify's: the errors, not a
-        # hang, come back within the call's time
         self.grad_spec, self.timeout_s = grad, timeout_s
-        self.workers, self.group_ready, self.me = [], False, None
 
     def call(self, q, k, v, **options):
         """out (and lse) of the whole problem, from every rank's rows."""
-        got = _exchange(self, _message(q, k, v, None, options))
+        got = _exchange(self, _message(self, q, k, v, None, options))
         return _put_back(got, [q.shape[2]] * len(got[0]), self.layout, q.device)
 
     def grad(self, q, k, v, dout, **options):
         """(dq, dk, dv) of the whole problem, from every rank's shards."""
-        got = _exchange(self, _message(q, k, v, dout, options))
+        got = _exchange(self, _message(self, q, k, v, dout, options))
         return _put_back(got, [q.shape[2], k.shape[2], v.shape[2]], self.layout, q.device)
 
-    def _start(self):
-        if self.group_ready:
-            return
+
+class _Ranks:
+    """This process as rank 0 of a group of `size`, the workers started (spawned) at the
+    first call and stopped at exit, or when ranks of another size, device or timeout are
+    needed (a process is in one group at a time)."""
+
+    def __init__(self, size, device, timeout_s):
+        self.size, self.device = size, device
+        # a rank waits at most a quarter of a call's time for another in the implementation's
+        # calls (one that raised stops in mid-call), half of it in verify's: the errors, not a
+        # hang, come back within the call's time
+        self.timeout_s = timeout_s
+        self.workers, self.group_ready, self.me = [], False, None
+
+    def start(self):
         import torch.distributed as dist
         import torch.multiprocessing as mp
 
-        for world in _ACTIVE:  # another spread implementation's ranks: stopped first
-            world._stop()
         init = f"file://{tempfile.mkdtemp(prefix='verify-world-')}/init"
         context = mp.get_context("spawn")
         for rank in range(1, self.size):
             worker = context.Process(target=_worker, daemon=True, args=(
-                rank, self.size, init, self.layout, self.impl, self.grad_spec, self.device,
-                self.timeout_s))
+                rank, self.size, init, self.device, self.timeout_s))
             worker.start()
             self.workers.append(worker)
         dist.init_process_group(_backend(self.device), init_method=init, rank=0,
                                 world_size=self.size, timeout=_seconds(self.timeout_s / 2))
         self.group_ready = True
-        group = _own_group(self.device, self.timeout_s / 4)
-        self.me = _Rank(_fns(self.impl, self.grad_spec), group,
-                        0, self.size, self.layout, self.device)
-        _ACTIVE[:] = [self]
-        atexit.register(self._stop)
+        self.me = _Rank(_own_group(self.device, self.timeout_s / 4), 0, self.size,
+                        self.device)
+        atexit.register(self.stop)
 
-    def _stop(self):
+    def stop(self):
         import torch.distributed as dist
 
         if self.group_ready:
@@ -193,8 +198,7 @@ class _World:
                 worker.join(timeout=30)
             dist.destroy_process_group()
             self.group_ready, self.workers = False, []
-            if self in _ACTIVE:
-                _ACTIVE.remove(self)
+        _ACTIVE.pop(self.key, None)
 
     def abort(self):
         """Stop every rank at once, wherever it is (after a rank raised: the others may be
@@ -207,8 +211,24 @@ class _World:
         if self.group_ready:
             dist.destroy_process_group()
         self.group_ready, self.workers = False, []
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
+        _ACTIVE.pop(self.key, None)
+
+    @property
+    def key(self):
+        return (self.size, self.device, self.timeout_s)
+
+
+def _ranks(world):
+    """The running ranks a spread implementation's call needs: the ones running if they
+    match, else new ones (the others stopped first)."""
+    key = (world.size, world.device, world.timeout_s)
+    if key not in _ACTIVE:
+        for other in list(_ACTIVE.values()):
+            other.stop()
+        ranks = _Ranks(*key)
+        ranks.start()
+        _ACTIVE[key] = ranks
+    return _ACTIVE[key]
 
 
 def _backend(device):
@@ -221,11 +241,13 @@ def _seconds(timeout_s):
     return datetime.timedelta(seconds=timeout_s)
 
 
-def _message(q, k, v, dout, options):
-    """A call's inputs as they go to every rank (CPU tensors); dout None for the forward."""
+def _message(world, q, k, v, dout, options):
+    """A call's inputs as they go to every rank (CPU tensors; dout None for the forward),
+    with what to run on them (world.impl, world.grad_spec) and how they are sharded."""
     import torch
 
-    return dict(q=q.cpu(), k=k.cpu(), v=v.cpu(), dout=None if dout is None else dout.cpu(),
+    return dict(impl=world.impl, grad=world.grad_spec, layout=world.layout,
+                q=q.cpu(), k=k.cpu(), v=v.cpu(), dout=None if dout is None else dout.cpu(),
                 options={n: x.cpu() if isinstance(x, torch.Tensor) else x
                          for n, x in options.items()})
 
@@ -235,14 +257,14 @@ def _exchange(world, message):
     naming the ranks that raised."""
     import torch.distributed as dist
 
-    world._start()
+    ranks = _ranks(world)
     dist.broadcast_object_list([message], src=0)
-    mine = _rank_result(world.me, message)
+    mine = _rank_result(ranks.me, message)
     every = [None] * world.size
     dist.gather_object(mine, every, dst=0)
     errors = [f"rank {r}: {x}" for r, x in enumerate(every) if isinstance(x, str)]
     if errors:
-        world.abort()
+        ranks.abort()
         raise RuntimeError("; ".join(errors))
     return every
 
@@ -271,25 +293,26 @@ def _rank_result(me, message):
     import torch
 
     try:
+        fns, layout = _fns(message["impl"], message["grad"]), message["layout"]
         place = f"cuda:{me.rank}" if me.device == "cuda" else "cpu"
-        q, k, v = (_shard(message[n], me).to(place) for n in ("q", "k", "v"))
+        q, k, v = (_shard(message[n], me, layout).to(place) for n in ("q", "k", "v"))
         options = {n: x.to(place) if isinstance(x, torch.Tensor) else x
                    for n, x in message["options"].items()}
-        options.update(layout=me.layout, group=me.group)
+        options.update(layout=layout, group=me.group)
         if message["dout"] is None:
-            result = me.fns[0](q, k, v, **options)
+            result = fns[0](q, k, v, **options)
         else:
-            result = tuple(me.fns[1](q, k, v, _shard(message["dout"], me).to(place),
-                                     **options))
+            result = tuple(fns[1](q, k, v, _shard(message["dout"], me, layout).to(place),
+                                  **options))
         result = result if isinstance(result, tuple) else (result,)
         return tuple(x.detach().cpu() for x in result)
     except Exception as e:  # noqa: BLE001 - a rank's error is the call's result
         return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-def _shard(x, me):
-    """This rank's rows of x (B, H, N, ...) under the world's layout."""
-    return take(x, shard_ranges(x.shape[2], me.size, me.layout)[me.rank])
+def _shard(x, me, layout):
+    """This rank's rows of x (B, H, N, ...) under `layout`."""
+    return take(x, shard_ranges(x.shape[2], me.size, layout)[me.rank])
 
 
 def _put_back(every, lengths, layout, device):
@@ -311,17 +334,18 @@ def _put_back(every, lengths, layout, device):
     return wholes[0] if len(wholes) == 1 else tuple(wholes)
 
 
-def _worker(rank, size, init, layout, impl, grad, device, timeout_s):
+def _worker(rank, size, init, device, timeout_s):
     """A worker rank: joins the group, then computes its shard of every call until told to
     stop (None)."""
+    import torch
     import torch.distributed as dist
 
     if device == "cuda":
-        import torch
         torch.cuda.set_device(rank)
+    torch.set_num_threads(1)  # the ranks share the host's cores
     dist.init_process_group(_backend(device), init_method=init, rank=rank, world_size=size,
                             timeout=_seconds(timeout_s / 2))
-    me = _Rank(_fns(impl, grad), _own_group(device, timeout_s / 4), rank, size, layout, device)
+    me = _Rank(_own_group(device, timeout_s / 4), rank, size, device)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
