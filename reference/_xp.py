@@ -4,9 +4,14 @@ import contextlib
 import numpy as np
 
 
-def array_namespace(*arrays):
-    """CuPy if any argument is a CuPy array, else NumPy."""
+def array_namespace(*arrays, torch_too=False):
+    """CuPy if any argument is a CuPy array, else NumPy; torch_too: torch if any is a torch
+    tensor (for the rules written in functions both share, as merge's)."""
     for a in arrays:
+        if torch_too and a is not None and type(a).__module__.split(".")[0] == "torch":
+            import torch
+
+            return torch
         if a is not None and type(a).__module__.split(".")[0] == "cupy":
             import cupy
 

@@ -7,7 +7,8 @@ If the keys of each row are split into disjoint parts a and b, with (out_a, lse_
     out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b
 
 A part with no visible key has lse = -inf and out = 0 and contributes nothing; a row with no
-visible key in any part stays out = 0, lse = -inf.
+visible key in any part stays out = 0, lse = -inf. NumPy, CuPy or torch arrays, in their own
+dtype (attention split across ranks merges its float32 parts on the device with it).
 """
 from ._xp import array_namespace, quiet
 
@@ -26,7 +27,7 @@ def merge(*parts):
 
 
 def _merge2(out_a, lse_a, out_b, lse_b):
-    xp = array_namespace(out_a, out_b)
+    xp = array_namespace(out_a, out_b, torch_too=True)
     if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
         raise ValueError(f"parts must have equal shapes, got out {out_a.shape} vs {out_b.shape}"
                          f" and lse {lse_a.shape} vs {lse_b.shape}")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from numba_kernels.distributed.block_band import (MASK_KEYS, LocalBand, block_band, block_mask,
                                                   block_plan)
-from numba_kernels.distributed.sharding import shard_ranges, shard_length, take
+from numba_kernels.distributed.sharding import put_back, shard_ranges, shard_length, take
 from reference.contract import check_attention_args, dense_visible
 
 
@@ -158,6 +158,36 @@ def _last_first(n, world_size):
     return [[(cuts[world_size - 1 - r], cuts[world_size - r])] for r in range(world_size)]
 
 
+def test_the_merge_on_torch_tensors_is_the_references_on_numpy():
+    """split.merge_into is reference.merge's rule on torch float32 tensors: NumPy's float32
+    result to within the libraries' exp and log (an ulp or two), empty parts (lse -inf)
+    and a row empty in both included."""
+    torch = pytest.importorskip("torch")
+    from numba_kernels.distributed.split import merge_into
+    from reference.merge import merge
+
+    rng = np.random.default_rng(0)
+    out_a, out_b = (rng.standard_normal((2, 5, 3)).astype(np.float32) for _ in "ab")
+    lse_a = np.array([[0.0, -np.inf, 80.0, -np.inf, 3.0]] * 2, np.float32)
+    lse_b = np.array([[1.0, 2.0, -90.0, -np.inf, 3.0]] * 2, np.float32)
+    want_out, want_lse = merge((out_a, lse_a), (out_b, lse_b))
+    out, lse = torch.from_numpy(out_a.copy()), torch.from_numpy(lse_a.copy())
+    merge_into(out, lse, torch.from_numpy(out_b), torch.from_numpy(lse_b))
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-6, atol=0)  # -inf where it is
+    assert out.dtype == torch.float32 and not out.isnan().any()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "_last_first"])
+def test_put_back_is_takes_inverse(layout):
+    torch = pytest.importorskip("torch")
+    layout = _last_first if layout == "_last_first" else layout
+    x = torch.arange(2 * 3 * 13 * 2).reshape(2, 3, 13, 2)
+    for world in (1, 2, 5, 20):  # 20: ranks with no rows
+        pieces = [take(x, ranges) for ranges in shard_ranges(13, world, layout)]
+        assert torch.equal(put_back(pieces, 13, layout), x)
+
+
 def test_a_layout_function_gives_the_ranks_their_ranges_checked():
     assert shard_ranges(10, 2, _last_first) == [((5, 10),), ((0, 5),)]
     assert shard_ranges(1, 3, _last_first) == [((0, 1),), (), ()]  # empty ranges left out
@@ -264,17 +294,6 @@ def _dout(q, v):
     return torch.randn(q.shape[:3] + v.shape[3:], generator=gen).to(q.dtype)
 
 
-def _placed(parts, ranges_of, like):
-    """The whole tensor from each rank's rows (parts[rank]), put back in place along dim 2."""
-    whole = like.new_zeros(like.shape)
-    for part, ranges in zip(parts, ranges_of):
-        at = 0
-        for start, stop in ranges:
-            whole[:, :, start:stop] = part[:, :, at:at + stop - start]
-            at += stop - start
-    return whole
-
-
 @pytest.mark.long
 def test_ring_attention_on_gloo_ranks_meets_the_error_rule(tmp_path, monkeypatch):
     """Two gloo processes in the simulator (CI's two cores; the band's 3-way and uneven
@@ -292,19 +311,17 @@ def test_ring_attention_on_gloo_ranks_meets_the_error_rule(tmp_path, monkeypatch
     mp.spawn(_ring_rank, args=(world, f"file://{tmp_path}/init", str(tmp_path)), nprocs=world)
     for i, case in enumerate(RING_CASES):
         q, k, v, options = _ring_inputs(case)
-        ranges_of = shard_ranges(q.shape[2], world, case[0])
+        n, layout = q.shape[2], case[0]
         parts = [torch.load(tmp_path / f"{i}-{rank}.pt") for rank in range(world)]
         wide = [x.float().numpy() for x in (q, k, v)]
         sides = {name: (x.numpy() if name == "kv_lengths" else x)
                  for name, x in options.items() if name != "kernel"}
-        out = _placed([p[0] for p in parts], ranges_of,
-                      torch.zeros(q.shape[:3] + v.shape[3:], dtype=q.dtype))
-        lse = _placed([p[1][..., None] for p in parts], ranges_of,
-                      torch.zeros(q.shape[:3] + (1,)))[..., 0]
+        out = put_back([p[0] for p in parts], n, layout)
+        lse = put_back([p[1] for p in parts], n, layout)
         verdicts = judge(*wide, out.float().numpy(), lse.numpy(), dtype=case[6], **sides)
         if i < BACKWARD_CASES:
-            grads = [_placed([p[2 + n] for p in parts], ranges_of, x).float().numpy()
-                     for n, x in enumerate((q, k, v))]
+            grads = [put_back([p[2 + g] for p in parts], n, layout).float().numpy()
+                     for g in range(3)]
             verdicts += judge_backward(*wide, _dout(q, v).float().numpy(), grads,
                                        dtype=case[6], **sides)
         for c in verdicts:

@@ -507,7 +507,7 @@ def _torch_sdpa(backend):
 def _torch_context_parallel(backend):
     """PyTorch's context parallelism (torch.distributed.tensor.experimental.context_parallel)
     over an SDPA backend, in verify/distributed.py's per-rank protocol: each rank takes the
-    whole q, k and v from the ranks' shards (distributed.unsharded), context_parallel shards
+    whole q, k and v from the ranks' shards (sharding.unsharded), context_parallel shards
     them its own way (its load balancing on for causal calls, as by default; off for the
     others, which it refuses with it) and runs its ring of the
     backend's kernel, and the output, unsharded, gives the rank its rows. The gathers move
@@ -528,8 +528,7 @@ def _torch_context_parallel(backend):
             context_parallel_unshard)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        from numba_kernels.distributed.sharding import shard_ranges, take
-        from .distributed import unsharded
+        from numba_kernels.distributed.sharding import shard_ranges, take, unsharded
 
         mesh = DeviceMesh.from_group(group, q.device.type)
         buffers = [unsharded(x, layout, group).contiguous() for x in (q, k, v)]

@@ -28,7 +28,7 @@ import os
 import tempfile
 from collections import namedtuple
 
-from numba_kernels.distributed.sharding import LAYOUTS, shard_ranges, take
+from numba_kernels.distributed.sharding import LAYOUTS, put_back, shard_ranges, take
 from .adapters import BUILTIN_NAMES, Implementation
 
 _ACTIVE = {}  # (size, device, timeout_s): the _Ranks this process is rank 0 of (one at most)
@@ -111,31 +111,6 @@ def where_it_fails(result, world_size, layout):
             words.append(f"{c.name}: worst at row {row}, {owner}'s"
                          + (" (a shard's edge)" if row in edges else ""))
     return "; ".join(words)
-
-
-def unsharded(x, layout, group=None):
-    """The whole of x (B, H, N, ...) on every rank of `group`, from each rank's shard under
-    `layout` (this rank's is x): for adapters of implementations that shard by a layout of
-    their own (they take the whole and shard it their way). An all-gather; values move, no
-    arithmetic."""
-    import torch
-    import torch.distributed as dist
-
-    world = dist.get_world_size(group)
-    lengths = [torch.zeros(1, dtype=torch.int64, device=x.device) for _ in range(world)]
-    dist.all_gather(lengths, torch.tensor([x.shape[2]], device=x.device), group=group)
-    lengths = [int(n) for n in lengths]
-    padded = x.new_zeros(x.shape[:2] + (max(lengths),) + x.shape[3:])
-    padded[:, :, :x.shape[2]] = x
-    every = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(every, padded.contiguous(), group=group)
-    whole = x.new_empty(x.shape[:2] + (sum(lengths),) + x.shape[3:])
-    for piece, n, ranges in zip(every, lengths, shard_ranges(sum(lengths), world, layout)):
-        at = 0
-        for start, stop in ranges:
-            whole[:, :, start:stop] = piece[:, :, at:at + stop - start]
-            at += stop - start
-    return whole
 
 
 class _World:
@@ -318,19 +293,8 @@ def _shard(x, me, layout):
 def _put_back(every, lengths, layout, device):
     """The whole tensors from every rank's results (each a tuple, its i-th tensor's rows
     sharded from a sequence of lengths[i]), each rank's rows put back in place."""
-    import torch
-
-    wholes = []
-    for i, n in enumerate(lengths):
-        pieces = [result[i] for result in every]
-        whole = torch.zeros(pieces[0].shape[:2] + (n,) + pieces[0].shape[3:],
-                            dtype=pieces[0].dtype)
-        for piece, ranges in zip(pieces, shard_ranges(n, len(every), layout)):
-            at = 0
-            for start, stop in ranges:
-                whole[:, :, start:stop] = piece[:, :, at:at + stop - start]
-                at += stop - start
-        wholes.append(whole.to(device))
+    wholes = [put_back([result[i] for result in every], n, layout).to(device)
+              for i, n in enumerate(lengths)]
     return wholes[0] if len(wholes) == 1 else tuple(wholes)
 
 

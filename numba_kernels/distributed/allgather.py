@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan import BACKWARD_KERNEL
+from .sharding import all_shards, shard_length
 from .split import (add_block, block_backward, block_forward, blocks, differentiable,
                     merge_block, merge_into, split_call)
 
@@ -81,15 +82,8 @@ def _forward(q, k, v, options):
 
 
 def _gathered(split, x):
-    """Every rank's shard of x (rows of q's shards along dim 2), a list in rank order: an
-    all-gather of the shards padded to the longest."""
-    lengths = [sum(stop - start for start, stop in r) for r in split.q_ranges]
-    longest = max(lengths)
-    padded = x.new_zeros(x.shape[:2] + (longest,) + x.shape[3:])
-    padded[:, :, :x.shape[2]] = x
-    every = [torch.empty_like(padded) for _ in range(split.world)]
-    dist.all_gather(every, padded, group=split.group)
-    return [y[:, :, :n] for y, n in zip(every, lengths)]
+    """Every rank's shard of x (rows of q's shards along dim 2), a list in rank order."""
+    return all_shards(x.contiguous(), [shard_length(r) for r in split.q_ranges], split.group)
 
 
 def _to_owners(split, parts):

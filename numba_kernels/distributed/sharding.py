@@ -72,6 +72,46 @@ def take(x, ranges, dim=2):
     return np.concatenate(parts, dim) if parts else _slice(x, 0, 0, dim)
 
 
+def put_back(pieces, n, layout, dim=2):
+    """take's inverse: the whole sequence of n rows along dim from every rank's piece (its
+    rows under `layout`, in rank order; torch tensors)."""
+    first = pieces[0]
+    whole = first.new_zeros(first.shape[:dim] + (n,) + first.shape[dim + 1:])
+    for piece, ranges in zip(pieces, shard_ranges(n, len(pieces), layout)):
+        at = 0
+        for start, stop in ranges:
+            _slice(whole, start, stop, dim).copy_(_slice(piece, at, at + stop - start, dim))
+            at += stop - start
+    return whole
+
+
+def all_shards(x, lengths, group=None):
+    """Every rank's shard (lengths[r] rows along dim 2, this rank's is x) gathered to every
+    rank of `group`, in rank order: an all-gather of the shards padded to the longest."""
+    import torch
+    import torch.distributed as dist
+
+    padded = x.new_zeros(x.shape[:2] + (max(lengths),) + x.shape[3:])
+    padded[:, :, :x.shape[2]] = x
+    every = [torch.empty_like(padded) for _ in lengths]
+    dist.all_gather(every, padded, group=group)
+    return [y[:, :, :n] for y, n in zip(every, lengths)]
+
+
+def unsharded(x, layout, group=None):
+    """The whole of x (B, H, N, ...) on every rank of `group`, from each rank's shard under
+    `layout` (this rank's is x): for implementations that shard by a layout of their own
+    (they take the whole and shard it their way). Values move, no arithmetic."""
+    import torch
+    import torch.distributed as dist
+
+    lengths = [torch.zeros(1, dtype=torch.int64, device=x.device)
+               for _ in range(dist.get_world_size(group))]
+    dist.all_gather(lengths, torch.tensor([x.shape[2]], device=x.device), group=group)
+    lengths = [int(n) for n in lengths]
+    return put_back(all_shards(x, lengths, group), sum(lengths), layout)
+
+
 def _slice(x, start, stop, dim):
     index = [slice(None)] * x.ndim
     index[dim] = slice(start, stop)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from reference.contract import check_attention_args, row_lengths
+from reference.merge import merge
 from ..backward import backward_float32
 from ..forward import forward_float32
 from .block_band import LocalBand, block_plan
@@ -182,16 +183,8 @@ class _SplitFunction(torch.autograd.Function):
 
 
 def merge_into(out, lse, part_out, part_lse):
-    """(out, lse) merged in place with a part over other keys (reference/merge.py's rule, in
-    float32): a part or a row with no visible key (lse -inf) adds nothing and takes no NaN
-    from the other side's weight."""
-    top = torch.maximum(lse, part_lse)
-    top = torch.where(top == float("-inf"), torch.zeros_like(top), top)
-    w_a, w_b = torch.exp(lse - top), torch.exp(part_lse - top)
-    total = w_a + w_b
-    lse.copy_(top + torch.log(total))
-    w_a, w_b = (torch.where(total == 0, torch.zeros_like(w), w / total)[..., None]
-                for w in (w_a, w_b))
-    zero = torch.zeros((), dtype=out.dtype, device=out.device)
-    out.copy_(torch.where(w_a == 0, zero, w_a * out)
-              + torch.where(w_b == 0, zero, w_b * part_out))
+    """(out, lse) merged in place with a part over other keys: reference.merge's rule (a
+    part or a row with no visible key adds nothing), in their float32."""
+    merged_out, merged_lse = merge((out, lse), (part_out, part_lse))
+    out.copy_(merged_out)
+    lse.copy_(merged_lse)
