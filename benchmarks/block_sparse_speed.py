@@ -1,6 +1,6 @@
-"""Block-sparse attention on one GPU: our kernels with a boolean mask made of blocks, beside our
-unmasked call, PyTorch's efficient backend with the same mask and FlexAttention with the same
-blocks as a BlockMask (compiled), in one run.
+"""Block-sparse attention on one GPU: our kernels with a boolean mask made of blocks and with
+its table of blocks (block_mask=), beside our unmasked call, PyTorch's efficient backend with
+the same mask and FlexAttention with the same blocks as a BlockMask (compiled), in one run.
 
     python benchmarks/block_sparse_speed.py [--shape 1,16,8192,128] [--dtype bfloat16]
                                             [--block 128] [--density 0.1] [--backward]
@@ -36,6 +36,7 @@ def calls(q, k, v, mask, block):
 
     flex = torch.compile(flex_attention)
     keep = mask[0, 0]
+    table = mask[:, :, ::block, ::block].contiguous()  # the mask is made of these blocks
     blocks = create_block_mask(lambda b, h, qi, ki: keep[qi, ki], None, None, q.shape[2],
                                k.shape[2], device="cuda", BLOCK_SIZE=block)
 
@@ -45,6 +46,8 @@ def calls(q, k, v, mask, block):
 
     return {"ours, no mask": lambda: flash_attention(q, k, v),
             "ours, mask": lambda: flash_attention(q, k, v, mask=mask),
+            "ours, block mask": lambda: flash_attention(q, k, v, block_mask=table,
+                                                        block_size=block),
             "efficient, mask": efficient,
             "flex, no mask": lambda: flex(q, k, v),
             "flex, block mask": lambda: flex(q, k, v, block_mask=blocks)}

@@ -4,12 +4,13 @@ Takes NumPy arrays (copied to the device and back), PyTorch CUDA tensors, CuPy a
 device arrays (used in place through their strides, launched on the caller's current stream),
 and returns the caller's array type. Outputs are fresh arrays; inputs are never written.
 """
+from reference.contract import BLOCK_SIZE
 from .forward import forward
 
 
 def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
                     kv_lengths=None, window=None, return_lse=False, num_splits=None, spec=None,
-                    kernel="auto", precision=None):
+                    kernel="auto", precision=None, block_mask=None, block_size=BLOCK_SIZE):
     """FlashAttention-2 forward on the GPU (or the CUDA simulator), per docs/contract.md;
     differentiable for torch tensors (autograd.py: gradients from the backward kernels, one
     opaque operator under torch.compile).
@@ -49,6 +50,14 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     tensor's largest lies outside 2^-48 .. 2^48, the call runs the SIMT kernel
     (halves_range_why_not; kernel="mma" raises instead). The gradients through autograd
     follow the forward's choice.
+    block_mask: the visible pairs as a table of blocks (FlexAttention's BlockMask in
+    spirit), boolean, broadcastable to (B, Hq, ceil(Nq / block_m), ceil(Nk / block_n)),
+    True where the block of block_m query rows by block_n keys is visible; block_size: an
+    integer (square blocks, default 128) or (block_m, block_n). It is the boolean mask
+    reference.blocks.block_mask_visible makes of it, and'ed with mask (docs/contract.md):
+    the kernels skip its hidden blocks' tiles and read no mask in its kept ones, made once
+    per call from the table alone where block_m and block_n are multiples of 64; other
+    block sizes are written out as that boolean mask first (kernel_plan says which).
     """
     if type(q).__module__.startswith("torch") and spec is None:
         from . import autograd
@@ -57,7 +66,9 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
             return autograd.attention(q, k, v, scale=scale, causal=causal, mask=mask,
                                       bias=bias, kv_lengths=kv_lengths, window=window,
                                       return_lse=return_lse, num_splits=num_splits,
-                                      kernel=kernel, precision=precision)
+                                      kernel=kernel, precision=precision,
+                                      block_mask=block_mask, block_size=block_size)
     return forward(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                    kv_lengths=kv_lengths, window=window, return_lse=return_lse,
-                   num_splits=num_splits, spec=spec, kernel=kernel, precision=precision)
+                   num_splits=num_splits, spec=spec, kernel=kernel, precision=precision,
+                   block_mask=block_mask, block_size=block_size)

@@ -2,10 +2,12 @@
 CUDA tensors, CuPy arrays and Numba device arrays (used in place, on the caller's current
 stream); each kind's device views, empty outputs, mask, bias and key counts, and the checked
 problem of a call (begin)."""
+from collections import namedtuple
+
 import numpy as np
 from numba import cuda
 
-from reference.contract import check_attention_args, row_lengths
+from reference.contract import BLOCK_SIZE, check_attention_args, check_block_mask, row_lengths
 from reference.dtypes import TRANSPORT, dtype_name, numpy_dtype, torch_dtype, transported
 from .common import LOG2E
 from .convert import SIMULATOR
@@ -30,11 +32,15 @@ def results(io, out, lse, return_lse):
     return (out, lse) if return_lse else out
 
 
-def begin(q, k, v, scale, causal, mask, bias, kv_lengths, window, **more):
+def begin(q, k, v, scale, causal, mask, bias, kv_lengths, window, block_mask=None,
+          block_size=BLOCK_SIZE, **more):
     """(problem, io, out, lse) of a call: the arguments checked against the contract and
     this kernel's limits, the array handling for their kind, the empty outputs."""
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
+    if block_mask is not None:
+        check_block_mask(block_mask, block_size, pb)
+        more = dict(more, block_mask=block_mask)
     if max(pb.d, pb.dv) > MAX_HEAD_DIM:
         raise ValueError(f"head dims D={pb.d}, Dv={pb.dv}: this kernel supports at most "
                          f"{MAX_HEAD_DIM}")
@@ -61,6 +67,26 @@ def check_score_range(pb, q, k):
                          f"scores can pass float32's range ({bound:.3g} in log2 units against "
                          f"{FLOAT32_MAX:.3g}), which the kernels compute in; scale q or k "
                          f"instead, or give a smaller scale")
+
+
+BlockTable = namedtuple("BlockTable", "dev steps block_m block_n masked")
+
+
+def block_table(io, pb, block_mask, block_size, masked):
+    """A block mask on the device as the pre-passes read it (prepass.class_prepass,
+    fit_blocks): a BlockTable of the table as uint8 with its steps, its blocks' rows and
+    keys, and masked, whether a boolean mask comes with it; None without a block mask."""
+    if block_mask is None:
+        return None
+    block_m, block_n = check_block_mask(block_mask, block_size, pb)
+    dev, steps = io.mask(block_mask)
+    return BlockTable(dev, steps, block_m, block_n, masked)
+
+
+def masked(mask, bias, blocks):
+    """Whether a call runs the variants that read a mask and a bias (and walk visible
+    lists): a boolean mask, a bias or a block mask (or its BlockTable) is given."""
+    return mask is not None or bias is not None or blocks is not None
 
 
 def side_inputs(io, pb, mask, bias, kv_lengths):
@@ -120,8 +146,8 @@ def io_for(q, k, v, mask, bias, kv_lengths, **more):
             raise TypeError(f"{name} is a {_kind(x, name)} array and q a {kind} one: pass "
                             f"every array of a call as one kind")
     if kind == "torch":
-        for name, x in (("q", q), ("k", k), ("v", v), ("mask", mask), ("bias", bias),
-                        ("kv_lengths", kv_lengths)):
+        for name, x in dict(q=q, k=k, v=v, mask=mask, bias=bias, kv_lengths=kv_lengths,
+                            **more).items():
             if x is not None and not x.is_cuda:
                 raise TypeError(f"{name} is a CPU tensor: pass CUDA tensors, or NumPy arrays "
                                 f"(copied to the device and back)")
@@ -176,9 +202,11 @@ class NumpyIO:
         """x (from dev: C-contiguous) as one dimension, no copy."""
         return x.reshape(x.size)
 
-    def mask(self, mask):
+    def mask(self, mask, lead=(1, 1)):
+        """(mask on the device as uint8, its steps); for None the all-true mask of shape
+        (*lead, 1, 1): with lead's batch and head dimensions, each key of each row."""
         if mask is None:
-            return cuda.to_device(np.ones((1, 1, 1, 1), np.uint8)), (0, 0, 0, 0)
+            return cuda.to_device(np.ones((*lead, 1, 1), np.uint8)), _steps((*lead, 1, 1))
         m = _as4d(np.asarray(mask))
         return cuda.to_device(np.ascontiguousarray(m).view(np.uint8)), _steps(m.shape)
 
@@ -245,10 +273,11 @@ class TorchIO:
     def flat(x):
         return x.reshape(-1)
 
-    def mask(self, mask):
+    def mask(self, mask, lead=(1, 1)):
         if mask is None:
-            return self._constant("no mask", lambda: self.torch.ones(
-                (1, 1, 1, 1), dtype=self.torch.uint8, device=self.device)), (0, 0, 0, 0)
+            return self._constant(("no mask", *lead), lambda: self.torch.ones(
+                (*lead, 1, 1), dtype=self.torch.uint8, device=self.device)), _steps(
+                    (*lead, 1, 1))
         m = _as4d(mask)
         return m.contiguous().view(self.torch.uint8), _steps(m.shape)
 
@@ -295,9 +324,9 @@ class CudaIO(NumpyIO):
             raise ValueError(f"an array of shape {tuple(x.shape)}: {STRIDED_DEVICE_ARRAY}")
         return x
 
-    def mask(self, mask):
+    def mask(self, mask, lead=(1, 1)):
         if mask is None:
-            return super().mask(None)
+            return super().mask(None, lead)
         m = _as4d(self.dev(mask))
         return m.view(np.uint8), _steps(m.shape)
 

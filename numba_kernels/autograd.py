@@ -11,8 +11,9 @@ traces their shapes through the fake implementations, never into Numba):
 
 The forward saves q, k, v, out and lse; the backward runs the backward kernels
 (backward.py). A gradient flowing into lse (return_lse=True, lse used in the loss) is
-folded into delta: dS = P * (dP - (delta - dlse)), since d lse_i / d s_ij = P_ij. mask and
-kv_lengths get no gradient; a bias that requires one is refused (the kernels compute none).
+folded into delta: dS = P * (dP - (delta - dlse)), since d lse_i / d s_ij = P_ij. mask,
+kv_lengths and block_mask get no gradient; a bias that requires one is refused (the kernels
+compute none).
 CPU tensors are copied to the device and back, as NumPy arrays are (so the CUDA simulator
 runs this too).
 """
@@ -20,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from reference.contract import BLOCK_SIZE
 from .arrays import on_device
 from .backward import flash_attention_backward
 from .forward import forward
@@ -29,7 +31,8 @@ Tensor = torch.Tensor
 
 
 def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
-              window=None, return_lse=False, num_splits=None, kernel="auto", precision=None):
+              window=None, return_lse=False, num_splits=None, kernel="auto", precision=None,
+              block_mask=None, block_size=BLOCK_SIZE):
     """flash_attention's forward through the operator (same arguments and results). The
     precision and the kernel are chosen here, once (plan.kernel_plan, PyTorch's precision
     setting when None), and the backward follows them: a "simt" forward's gradients come
@@ -38,25 +41,35 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_len
     made from give P far from exp(S - lse): docs/findings.md, bug 10)."""
     plan = kernel_plan(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                        kv_lengths=kv_lengths, window=window, num_splits=num_splits,
-                       kernel=kernel, precision=precision)  # the contract's errors first
+                       kernel=kernel, precision=precision, block_mask=block_mask,
+                       block_size=block_size)  # the contract's errors first
     kernel, precision = plan.kernel, plan.precision
     if isinstance(bias, Tensor) and bias.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError("bias requires grad, but the kernels compute no gradient "
                                   "for bias (reference.attention_backward(return_dbias=True) "
                                   "does): detach it, or use another implementation")
-    mask, bias, kv_lengths = (None if x is None else torch.as_tensor(x, device=q.device)
-                              for x in (mask, bias, kv_lengths))
+    mask, bias, kv_lengths, block_mask = (
+        None if x is None else torch.as_tensor(x, device=q.device)
+        for x in (mask, bias, kv_lengths, block_mask))
     out, lse = torch.ops.flash_conformance.attention(
         q, k, v, mask, bias, kv_lengths, None if scale is None else float(scale),
         causal or "", None if window is None else [int(w) for w in window], num_splits,
-        kernel, precision)
+        kernel, precision, block_mask,
+        list(block_sizes(block_size) if block_mask is not None else (BLOCK_SIZE, BLOCK_SIZE)))
     return (out, lse) if return_lse else out
 
 
+def block_sizes(block_size):
+    """block_size (an integer, or a pair: reference.blocks.check_block_mask, which has
+    checked it) as the pair (block_m, block_n)."""
+    return tuple(block_size) if isinstance(block_size, (tuple, list)) else (block_size,) * 2
+
+
 def _options(mask, bias, kv_lengths, scale, causal, window, num_splits=None, kernel=None,
-             precision=None):
+             precision=None, block_mask=None, block_size=(BLOCK_SIZE, BLOCK_SIZE)):
     """The operator's arguments as flash_attention's keywords."""
     return dict(mask=mask, bias=bias, kv_lengths=kv_lengths, scale=scale,
+                block_mask=block_mask, block_size=tuple(block_size),
                 causal=causal or False, window=None if window is None else tuple(window),
                 **({} if num_splits is None else {"num_splits": num_splits}),
                 **({} if kernel is None else {"kernel": kernel}),
@@ -67,14 +80,16 @@ def _options(mask, bias, kv_lengths, scale, causal, window, num_splits=None, ker
 def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], bias: Optional[Tensor],
                kv_lengths: Optional[Tensor], scale: Optional[float], causal: str,
                window: Optional[list[int]], num_splits: Optional[int],
-               kernel: str, precision: str) -> tuple[Tensor, Tensor]:
+               kernel: str, precision: str, block_mask: Optional[Tensor],
+               block_size: list[int]) -> tuple[Tensor, Tensor]:
     opts = _options(mask, bias, kv_lengths, scale, causal, window, num_splits, kernel,
-                    precision)
+                    precision, block_mask, block_size)
     return on_device(forward, (q, k, v), opts, return_lse=True)
 
 
 @_attention.register_fake
-def _(q, k, v, mask, bias, kv_lengths, scale, causal, window, num_splits, kernel, precision):
+def _(q, k, v, mask, bias, kv_lengths, scale, causal, window, num_splits, kernel, precision,
+      block_mask, block_size):
     b, hq, nq = q.shape[:3]
     return q.new_empty((b, hq, nq, v.shape[3])), q.new_empty((b, hq, nq), dtype=torch.float32)
 
@@ -84,32 +99,35 @@ def _attention_backward(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tenso
                         dout: Tensor, dlse: Optional[Tensor], mask: Optional[Tensor],
                         bias: Optional[Tensor], kv_lengths: Optional[Tensor],
                         scale: Optional[float], causal: str,
-                        window: Optional[list[int]], kernel: str,
-                        precision: str) -> tuple[Tensor, Tensor, Tensor]:
+                        window: Optional[list[int]], kernel: str, precision: str,
+                        block_mask: Optional[Tensor],
+                        block_size: list[int]) -> tuple[Tensor, Tensor, Tensor]:
     opts = _options(mask, bias, kv_lengths, scale, causal, window, kernel=kernel,
-                    precision=precision)
+                    precision=precision, block_mask=block_mask, block_size=block_size)
     return on_device(flash_attention_backward, (q, k, v, out, lse, dout.contiguous()),
                       dict(opts, dlse=dlse))
 
 
 @_attention_backward.register_fake
 def _(q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, scale, causal, window, kernel,
-      precision):
+      precision, block_mask, block_size):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, bias, kv_lengths, scale, causal, window, _, kernel, precision = inputs
+    (q, k, v, mask, bias, kv_lengths, scale, causal, window, _, kernel, precision, block_mask,
+     block_size) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, bias, kv_lengths)
+    ctx.save_for_backward(q, k, v, out, lse, mask, bias, kv_lengths, block_mask)
     ctx.options = (scale, causal, window, BACKWARD_KERNEL[kernel], precision)
+    ctx.block_size = block_size
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, mask, bias, kv_lengths = ctx.saved_tensors
+    q, k, v, out, lse, mask, bias, kv_lengths, block_mask = ctx.saved_tensors
     dq, dk, dv = _attention_backward(q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths,
-                                     *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                                     *ctx.options, block_mask, ctx.block_size)
+    return (dq, dk, dv) + (None,) * 11
 
 
 _attention.register_autograd(_backward, setup_context=_setup_context)

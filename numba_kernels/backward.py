@@ -3,9 +3,9 @@ on tensor cores, for 16-bit inputs; flash_bwd.py, tuned SIMT; plain_bwd.py, one 
 or row), with flash_attention's arguments, checks and array handling."""
 import numpy as np
 
-from reference.contract import array_dtype, shape4
+from reference.contract import BLOCK_SIZE, array_dtype, shape4
 from reference.memory import overlaps
-from .arrays import band, begin, is_cpu_tensor, on_device, side_inputs
+from .arrays import band, begin, block_table, is_cpu_tensor, masked, on_device, side_inputs
 from .common import DELTA_ARGS, DKDV_ARGS, DQ_ARGS, kernel_args
 from .flash_bwd import BwdSpec, bwd_width
 from .flash_mma_bwd import (BLOCK as MMA_BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec,
@@ -15,13 +15,14 @@ from .mma_parts import BLOCK_N as MMA_KEY_TILE, THREADS as MMA_THREADS, mma_widt
 from .plain_bwd import DELTA_THREADS, plain_bwd_kernel
 from .plain_fwd import plain_tiles
 from .plan import backward_plan, halves_summed, resolve_precision
-from .prepass import class_prepass, flag_prepass, halves_prepass, list_prepass
+from .prepass import class_prepass, fit_blocks, flag_prepass, halves_prepass, list_prepass
 from .specs import pad, tuned_bwd_kernel
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=False, mask=None,
                              bias=None, kv_lengths=None, window=None, dlse=None,
-                             kernel="auto", precision=None):
+                             kernel="auto", precision=None, block_mask=None,
+                             block_size=BLOCK_SIZE):
     """(dq, dk, dv): the gradients of the output for incoming gradient dout, per
     docs/contract.md ("Gradients"), in q's dtype and array type.
 
@@ -46,17 +47,22 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     the gradients: the tensor-core kernels flag the tiles of q, k and dout that hold one
     (one pass over each) and add only the pairs that take part in those.
     precision: as flash_attention's ("highest", "high", or None: PyTorch's float32 matmul
-    precision for torch tensors, else "highest").
+    precision for torch tensors, else "highest"). block_mask, block_size: as
+    flash_attention's (the tensor-core kernels walk its tiles; the others read the mask it
+    stands for).
     """
     if is_cpu_tensor(q):  # through NumPy, as flash_attention takes them
         return on_device(flash_attention_backward, (q, k, v, out, lse, dout), dict(
             scale=scale, causal=causal, mask=mask, bias=bias, kv_lengths=kv_lengths,
             window=window, dlse=dlse, kernel=kernel,
-            precision=resolve_precision(precision, q)))
+            precision=resolve_precision(precision, q), block_mask=block_mask,
+            block_size=block_size))
     pb, io, kernel, precision = _checked(q, k, v, out, lse, dout, dlse, scale, causal, mask,
-                                         bias, kv_lengths, window, kernel, precision)
+                                         bias, kv_lengths, window, kernel, precision,
+                                         block_mask, block_size)
     return _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, kernel,
-                      precision)
+                      precision, blocks=block_table(io, pb, block_mask, block_size,
+                                                    mask is not None))
 
 
 def backward_float32(q, k, v, out, lse, dout, *, scale=None, causal=False, mask=None,
@@ -85,14 +91,14 @@ def backward_float32(q, k, v, out, lse, dout, *, scale=None, causal=False, mask=
 
 
 def _checked(q, k, v, out, lse, dout, dlse, scale, causal, mask, bias, kv_lengths, window,
-             kernel, precision):
+             kernel, precision, block_mask=None, block_size=BLOCK_SIZE):
     """A call's problem and arrays (checked against the contract and the saved forward),
     the kernel backward_plan picks and the precision it runs at."""
-    pb, io, _, _ = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window, out=out,
-                         lse=lse, dout=dout, dlse=dlse)
+    pb, io, _, _ = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window, block_mask,
+                         block_size, out=out, lse=lse, dout=dout, dlse=dlse)
     _check_saved(pb, dict(q=q, k=k, v=v), dict(out=out, lse=lse, dout=dout, dlse=dlse))
     precision = resolve_precision(precision, q)
-    kernel = backward_plan(pb, kernel, mask is not None or bias is not None, precision,
+    kernel = backward_plan(pb, kernel, masked(mask, bias, block_mask), precision,
                            dict(q=q, k=k, v=v, dout=dout))
     return pb, io, kernel, precision
 
@@ -103,11 +109,11 @@ def _float32(x):
 
 
 def _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, kernel,
-               precision, float32_grads=False):
+               precision, float32_grads=False, blocks=None):
     """(dq, dk, dv) of a checked call from the backward kernel `kernel` at `precision`,
     after the delta kernel (delta = rowsum(dout * out), minus dlse); float32_grads (the
-    tensor-core kernels, 16-bit inputs): stored as float32."""
-    has_mask = mask is not None or bias is not None
+    tensor-core kernels, 16-bit inputs): stored as float32; blocks: a BlockTable or None."""
+    has_mask = masked(mask, bias, blocks)
     grads_dtype = "float32" if float32_grads else pb.dtype
     dq = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.d), grads_dtype)
     dk = io.empty((pb.batch, pb.heads_k, pb.n_k, pb.d), grads_dtype)
@@ -116,7 +122,10 @@ def _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, ke
         return io.result(dq), io.result(dk), io.result(dv)
     width = pad(max(pb.d, pb.dv))
     mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
+    mask_dev, steps, blocks = fit_blocks(io, pb, mask_dev, steps, blocks, mma_tiles(pb) if (
+        float32_grads or kernel == "mma") else ())
     named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, bias=bias_dev,
+                 blocks=blocks,
                  kv_lengths=lengths, dout=io.dev(dout), lse_in=io.dev(lse),
                  delta=io.empty((pb.batch, pb.heads_q, pb.n_q), "float32"), n_q=pb.n_q,
                  group=pb.group, scale=np.float32(pb.scale), **band(pb), **steps)
@@ -176,10 +185,9 @@ def _mma(pb, io, named, grads, width, has_mask, precision, float32_grads=False):
     none: its blocks return at once); float32 at precision "highest" by the variants that
     sum each step's products apart; float32_grads: the 16-bit variants that store float32."""
     summed = halves_summed(pb.dtype, precision)
-    qb = MmaBwdSpec("dkdv", mma_width(pb.d), mma_width(pb.dv), pb.dtype, has_mask).qb
     visible = {part: list_prepass(io, class_prepass(
-        io, pb, named["mask"], named["mask_steps"], has_mask, *tiles), part != "dq")
-        for part, tiles in (("dq", (MMA_BLOCK, MMA_KEY_TILE)), ("kv", (qb, MMA_BLOCK)))}
+        io, pb, named["mask"], named["mask_steps"], has_mask, *tiles, named["blocks"]),
+        part != "dq") for part, tiles in zip(("dq", "kv"), mma_tiles(pb))}
     if pb.dtype == "float32":
         named, flags = halves_prepass(io, named)
     else:
@@ -203,6 +211,13 @@ def _mma(pb, io, named, grads, width, has_mask, precision, float32_grads=False):
 
 
 LAUNCHES = {"plain": _plain, "tuned": _tuned, "mma": _mma}  # each backward kernel's launches
+
+
+def mma_tiles(pb):
+    """The tiles (rows, keys) the tensor-core backward walks: the dQ kernel's, and the dK/dV
+    kernel's (qb query rows by a block of keys)."""
+    qb = MmaBwdSpec("dkdv", mma_width(pb.d), mma_width(pb.dv), pb.dtype, True).qb
+    return [(MMA_BLOCK, MMA_KEY_TILE), (qb, MMA_BLOCK)]
 
 
 def _minus(io, delta, dlse):

@@ -26,6 +26,7 @@ CLASS_THREADS = 128  # threads of a block of the class pre-pass: a warp a tile
 CLASS_WARPS = CLASS_THREADS // warp.LANES
 LIST_THREADS = 128  # threads of a block of the second pre-pass: a warp a list
 LIST_WARPS = LIST_THREADS // warp.LANES
+BLOCKS_THREADS = 128  # threads of a block of a block mask's pre-passes: a tile or pair each
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,65 @@ def lists_source(spec=ListsSpec()):
 def lists_kernel(spec=ListsSpec()):
     """The compiled second pre-pass (through the on-disk compile cache)."""
     return jit(lists_source(spec), ("visible lists", spec.transposed), FASTMATH)
+
+
+@dataclass(frozen=True)
+class BlocksSpec:
+    """A block mask's pre-pass (docs/contract.md, "Block-sparse attention"): the tile classes
+    of kernels whose tiles lie inside its blocks, read from the block table alone; or, with
+    expand, the boolean mask it stands for written out pair by pair (and'ed with a mask), for
+    kernels whose tiles its blocks do not hold whole."""
+
+    expand: bool = False
+
+
+def blocks_source(spec=BlocksSpec()):
+    """The pre-pass of a BlocksSpec: a thread a tile (a pair where expand), grid (tiles (pairs)
+    / BLOCKS_THREADS, (batch, head) of the output). The block table is uint8, its broadcast
+    dimensions' steps 0 in block_steps, as a mask's."""
+
+    def block_classes(blocks, block_steps, per_m, per_n, masked, classes):
+        """classes[cb, ch, i, j] (shape (B or 1, Hq or 1, query tiles, key tiles)) for
+        tiles inside one block each, per_m tiles of rows by per_n of keys a block: SKIP
+        where the block is hidden; where it is kept, FULL, or with masked the class of the
+        mask that classes already holds (classes_source's)."""
+        heads, tiles_n = classes.shape[1], classes.shape[3]
+        p = int64(cuda.blockIdx.x) * BLOCKS_THREADS + cuda.threadIdx.x
+        if p >= classes.shape[2] * tiles_n:
+            return
+        i, j = p // tiles_n, p % tiles_n
+        cb, ch = int64(cuda.blockIdx.y) // heads, int64(cuda.blockIdx.y) % heads
+        kept = blocks[cb * block_steps[0], ch * block_steps[1], i // per_m * block_steps[2],
+                      j // per_n * block_steps[3]] != 0
+        if not kept:
+            classes[cb, ch, i, j] = SKIP
+        elif not masked:
+            classes[cb, ch, i, j] = FULL
+
+    def expand_blocks(blocks, block_steps, block_m, block_n, mask, mask_steps, keep):
+        """keep[b, h, i, j] (uint8 (B or 1, Hq or 1, Nq, Nk)): 1 where the block of pair
+        (i, j) is kept and the mask keeps the pair, else 0."""
+        heads, n_k = keep.shape[1], keep.shape[3]
+        p = int64(cuda.blockIdx.x) * BLOCKS_THREADS + cuda.threadIdx.x
+        if p >= keep.shape[2] * n_k:
+            return
+        i, j = p // n_k, p % n_k
+        b, h = int64(cuda.blockIdx.y) // heads, int64(cuda.blockIdx.y) % heads
+        kept = blocks[b * block_steps[0], h * block_steps[1], i // block_m * block_steps[2],
+                      j // block_n * block_steps[3]] != 0
+        if kept and mask[b * mask_steps[0], h * mask_steps[1], i * mask_steps[2],
+                         j * mask_steps[3]] != 0:
+            keep[b, h, i, j] = 1
+        else:
+            keep[b, h, i, j] = 0
+
+    return expand_blocks if spec.expand else block_classes
+
+
+@lru_cache(maxsize=2)
+def blocks_kernel(spec=BlocksSpec()):
+    """The compiled pre-pass of a BlocksSpec (through the on-disk compile cache)."""
+    return jit(blocks_source(spec), ("block mask", spec.expand), FASTMATH)
 
 
 TileWalk = namedtuple("TileWalk", "walk_range walk_end tile_start step_tile reads_mask STEP")

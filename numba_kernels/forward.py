@@ -3,10 +3,10 @@
 float32), the split-KV merge, and the plain kernel (plain_fwd.py)."""
 import numpy as np
 
-from reference.contract import check_flag
+from reference.contract import BLOCK_SIZE, check_flag
 from . import replay
-from .arrays import (band, begin, dtype_of, is_cpu_tensor, on_device, results, side_inputs,
-                     sm_count)
+from .arrays import (band, begin, block_table, dtype_of, is_cpu_tensor, masked, on_device,
+                     results, side_inputs, sm_count)
 from .common import kernel_args
 from .flash_fwd import KernelSpec
 from .flash_mma import MMA_ARG_NAMES, MmaSpec, mma_kernel
@@ -15,14 +15,14 @@ from .mma_parts import BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, mma_width
 from .plain_fwd import PLAIN_ARG_NAMES, plain_kernel, plain_tiles
 from .plan import (call_plan, check_kernel, halves_range_why_not, halves_summed, mma_plan,
                    resolve_precision)
-from .prepass import class_prepass, halves_prepass, list_prepass
+from .prepass import class_prepass, fit_blocks, halves_prepass, list_prepass
 from .specs import build_kernel, build_merge, choose_spec, launch_grid, pad
 from .split_kv import choose_splits, split_layout
 
 
 def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
             window=None, return_lse=False, num_splits=None, spec=None, kernel="auto",
-            precision=None):
+            precision=None, block_mask=None, block_size=BLOCK_SIZE):
     """flash_attention without autograd: the kernels' launch (the arguments checked once).
     A torch call of a layout seen before replays that call's launches (replay.py)."""
     check_kernel(kernel)
@@ -34,19 +34,22 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
     precision = resolve_precision(precision, q)
     key = None
     halves = dtype_of(q) == "float32" and kernel != "simt"
-    inputs = (q, k, v) + tuple(x for x in (mask, bias) if x is not None)
+    inputs = (q, k, v) + tuple(x for x in (mask, bias, block_mask) if x is not None)
     if kv_lengths is None and spec is None and not halves:
         # (float32 on halves is not replayed: the values' range decides the kernel; nor are
         # kv_lengths, whose values the host reads)
         key = replay_key(inputs, scale, causal, window, return_lse, num_splits, kernel,
-                         precision, mask is not None, bias is not None)
+                         precision, mask is not None, bias is not None,
+                         None if block_mask is None else block_size)
         found = replay.find(key)
         if found is not None:
             return found.run(inputs)
     with replay.recording(key, inputs) as recorded:
-        pb, io, out, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
+        pb, io, out, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window,
+                                 block_mask, block_size)
+        blocks = block_table(io, pb, block_mask, block_size, mask is not None)
         _planned(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec, kernel,
-                 precision)
+                 precision, blocks=blocks)
         if recorded is not None:
             recorded.returns(out, lse, return_lse)
     return results(io, out, lse, return_lse)
@@ -73,38 +76,43 @@ def forward_float32(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
 
 
 def _planned(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec, kernel,
-             precision, float32_out=False):
-    """The launches of the kernel call_plan chooses, into out and lse."""
-    plan = call_plan(pb, kernel, spec, mask is not None or bias is not None, precision,
+             precision, float32_out=False, blocks=None):
+    """The launches of the kernel call_plan chooses, into out and lse (blocks: a
+    BlockTable, or None)."""
+    plan = call_plan(pb, kernel, spec, masked(mask, bias, blocks), precision,
                      dict(q=q, k=k, v=v))
     if plan.kernel == "mma":
         mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
-                    halves_summed(pb.dtype, plan.precision), float32_out=float32_out)
+                    halves_summed(pb.dtype, plan.precision), float32_out=float32_out,
+                    blocks=blocks)
     else:
         simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec,
-                     float32_out=float32_out)
+                     float32_out=float32_out, blocks=blocks)
+
 
 
 def replay_key(inputs, scale=None, causal=False, window=None, return_lse=False,
                num_splits=None, kernel="auto", precision="highest", masked=False,
-               biased=False):
+               biased=False, block_size=None):
     """The layout under which forward records and replays a call without kv_lengths or spec
-    (replay.call_key; None: not one to replay): inputs are q, k, v, then the mask and the
-    bias that were given (masked, biased)."""
+    (replay.call_key; None: not one to replay): inputs are q, k, v, then the mask, the
+    bias and the block mask that were given (masked, biased; block_size None without a
+    block mask)."""
     return replay.call_key(inputs, (scale, causal, window, return_lse, num_splits, kernel,
-                                    precision, masked, biased))
+                                    precision, masked, biased, block_size))
 
 
 def simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec,
-                 float32_out=False):
+                 float32_out=False, blocks=None):
     """The SIMT kernel (flash_fwd.py) into out and lse, split-KV merged; float32_out: out is
-    float32 for any input dtype (the variants that write split-KV's partials)."""
+    float32 for any input dtype (the variants that write split-KV's partials); blocks: a
+    BlockTable or None."""
     if pb.batch * pb.heads_q * pb.n_q > 0:  # else the outputs are empty: nothing to launch
-        has_mask = mask is not None or bias is not None
+        has_mask = masked(mask, bias, blocks)
         # Splitting depends on the tiles only, which do not depend on splitting.
         tiles = spec or choose_spec(pb.d, pb.dv, pb.dtype, has_mask)
-        blocks, _, _ = launch_grid(pb.n_q, pb.batch, pb.heads_q, tiles)
-        n_splits, split_len = _splits(pb, blocks, tiles.block_n, num_splits)
+        grid, _, _ = launch_grid(pb.n_q, pb.batch, pb.heads_q, tiles)
+        n_splits, split_len = _splits(pb, grid, tiles.block_n, num_splits)
         chosen = choose_spec(pb.d, pb.dv, pb.dtype, has_mask,
                              partial=n_splits > 1 or _unrounded(pb, float32_out))
         if spec is None:
@@ -114,11 +122,14 @@ def simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, 
             raise ValueError(f"spec {spec} does not fit D={pb.d}, Dv={pb.dv}, {pb.dtype}, "
                              f"mask or bias={'yes' if has_mask else 'no'}, {n_splits} split(s)")
         mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
+        mask_dev, steps, blocks = fit_blocks(io, pb, mask_dev, steps, blocks,
+                                             [(spec.block_m, spec.block_n)])
         visible = list_prepass(io, class_prepass(io, pb, mask_dev, steps["mask_steps"],
-                                                 has_mask, spec.block_m, spec.block_n))
+                                                 has_mask, spec.block_m, spec.block_n,
+                                                 blocks))
         dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
-        blocks, threads, n_tiles = launch_grid(pb.n_q, pb.batch, pb.heads_q, spec, n_splits)
-        launch(build_kernel(spec), spec, blocks, threads, io.stream, *kernel_args(
+        grid, threads, n_tiles = launch_grid(pb.n_q, pb.batch, pb.heads_q, spec, n_splits)
+        launch(build_kernel(spec), spec, grid, threads, io.stream, *kernel_args(
             q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, visible=visible, bias=bias_dev,
             kv_lengths=lengths, out=io.dev(dest[0]), lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d,
             d_v=pb.dv, group=pb.group, heads_q=pb.heads_q, n_tiles=n_tiles,
@@ -165,16 +176,21 @@ def _merge(io, pb, dest, out, lse, n_splits, float32_out=False):
 
 
 def plain_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
-                    kv_lengths=None, window=None, return_lse=False):
+                    kv_lengths=None, window=None, return_lse=False, block_mask=None,
+                    block_size=BLOCK_SIZE):
     """The plain kernel (plain_fwd.py: one thread per query row, for reading) with
-    flash_attention's arguments, checks and array handling. Slower; no split-KV."""
+    flash_attention's arguments, checks and array handling (a block mask is written out
+    as the boolean mask it stands for). Slower; no split-KV."""
     return_lse = check_flag("return_lse", return_lse)
-    pb, io, out, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
+    pb, io, out, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window,
+                             block_mask, block_size)
     if pb.batch * pb.heads_q * pb.n_q > 0:
         width = pad(max(pb.d, pb.dv))
-        has_mask = mask is not None or bias is not None
+        blocks = block_table(io, pb, block_mask, block_size, mask is not None)
+        has_mask = masked(mask, bias, blocks)
         block_m = plain_tiles(width)[0]
         mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
+        mask_dev, steps, _ = fit_blocks(io, pb, mask_dev, steps, blocks)
         launch(plain_kernel(width, width, pb.dtype, has_mask), ("plain", width, pb.dtype),
                (-(-pb.n_q // block_m), pb.batch * pb.heads_q), block_m, io.stream,
                *kernel_args(PLAIN_ARG_NAMES, q=io.dev(q), k=io.dev(k), v=io.dev(v),
@@ -186,7 +202,7 @@ def plain_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
 
 def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
                   kv_lengths=None, window=None, return_lse=False, num_splits=None,
-                  precision=None):
+                  precision=None, block_mask=None, block_size=BLOCK_SIZE):
     """The tensor-core kernel (flash_mma.py: mma.sync, float16 and bfloat16 inputs, float32
     as float16 halves at flash_attention's precision) with flash_attention's arguments,
     checks and array handling, split-KV included. Raises ValueError naming the reason where
@@ -194,33 +210,38 @@ def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     return_lse = check_flag("return_lse", return_lse)
     check_num_splits(num_splits)
     precision = resolve_precision(precision, q)
-    pb, io, out, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window)
-    why_not = mma_plan(pb, mask is not None or bias is not None)
+    pb, io, out, lse = begin(q, k, v, scale, causal, mask, bias, kv_lengths, window,
+                             block_mask, block_size)
+    blocks = block_table(io, pb, block_mask, block_size, mask is not None)
+    why_not = mma_plan(pb, masked(mask, bias, blocks))
     if why_not is None and pb.dtype == "float32":
         why_not = halves_range_why_not(dict(q=q, k=k, v=v), precision)
     if why_not:
         raise ValueError(f"the tensor-core kernel does not apply: {why_not}")
     mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
-                halves_summed(pb.dtype, precision))
+                halves_summed(pb.dtype, precision), blocks=blocks)
     return results(io, out, lse, return_lse)
 
 
 def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, summed,
-                float32_out=False):
+                float32_out=False, blocks=None):
     """The tensor-core kernel (flash_mma.py) into out and lse, split-KV merged: its fast
     variant, then its careful variant for the blocks the fast one deferred (a row that
     ended non-finite, or, float32, a Q or K tile holding a NaN or an inf; most often none,
     and its blocks return at once). float32 goes through halves.py's pre-pass first;
     summed: its variants that sum each step's products apart (precision "highest");
-    float32_out: out is float32 for any input dtype (the partials' variants)."""
+    float32_out: out is float32 for any input dtype (the partials' variants); blocks: a
+    BlockTable or None."""
     if pb.batch * pb.heads_q * pb.n_q > 0:
         q_tiles = -(-pb.n_q // MMA_BLOCK_M)
         n_splits, split_len = _splits(pb, q_tiles * pb.batch * pb.heads_q, MMA_BLOCK_N,
                                       num_splits)
         mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
-        has_mask = mask is not None or bias is not None
+        has_mask = masked(mask, bias, blocks)
+        mask_dev, steps, blocks = fit_blocks(io, pb, mask_dev, steps, blocks,
+                                             [(MMA_BLOCK_M, MMA_BLOCK_N)])
         visible = list_prepass(io, class_prepass(io, pb, mask_dev, steps["mask_steps"],
-                                                 has_mask, MMA_BLOCK_M, MMA_BLOCK_N))
+                                                 has_mask, MMA_BLOCK_M, MMA_BLOCK_N, blocks))
         dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
         deferred = io.scratch((n_splits * pb.batch, pb.heads_q, q_tiles))
         named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v))

@@ -8,9 +8,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from reference.contract import check_attention_args
-from .mma_parts import HALVES_MASK_WIDTH, MMA_INPUT_DTYPES, MMA_WIDTHS, halves_ship
-from .specs import DTYPES
+from reference.contract import BLOCK_SIZE, check_attention_args, check_block_mask
+from .mma_parts import (BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, HALVES_MASK_WIDTH,
+                        MMA_INPUT_DTYPES, MMA_WIDTHS, halves_ship)
+from .prepass import table_fits
+from .specs import DTYPES, choose_spec
 
 KERNELS = ("simt", "mma", "auto")  # the forward's kernel=
 BACKWARD_KERNELS = ("plain", "tuned", "mma", "auto")  # the backward's kernel=
@@ -71,7 +73,8 @@ def float32_why_not(pb, has_mask):
 
 
 def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
-                window=None, num_splits=None, spec=None, kernel="auto", precision=None):
+                window=None, num_splits=None, spec=None, kernel="auto", precision=None,
+                block_mask=None, block_size=BLOCK_SIZE):
     """Plan(kernel, why, precision): which forward kernel flash_attention runs for these
     arguments, "simt" (flash_fwd.py) or "mma" (flash_mma.py), why, and the precision of its
     float32 arithmetic. kernel="auto" takes the tensor-core kernel where it applies
@@ -80,12 +83,35 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
     not with a mask or bias, nor for decoding; halves_range_why_not: not where a row's
     values lie too far below the tensor's largest), and says why not where it falls back;
     "mma" raises ValueError with that reason instead. num_splits is taken as flash_attention
-    takes it; both kernels split the keys, so it does not decide."""
+    takes it; both kernels split the keys, so it does not decide. With a block mask, why
+    also says how the kernel reads it (block_note)."""
     check_kernel(kernel)
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
-    return call_plan(pb, kernel, spec, mask is not None or bias is not None,
-                     resolve_precision(precision, q), dict(q=q, k=k, v=v))
+    sizes = None if block_mask is None else check_block_mask(block_mask, block_size, pb)
+    masked = mask is not None or bias is not None or sizes is not None
+    plan = call_plan(pb, kernel, spec, masked, resolve_precision(precision, q),
+                     dict(q=q, k=k, v=v))
+    if sizes is None:
+        return plan
+    simt = spec or choose_spec(pb.d, pb.dv, pb.dtype, True)
+    tile = (MMA_BLOCK_M, MMA_BLOCK_N) if plan.kernel == "mma" else (simt.block_m, simt.block_n)
+    return plan._replace(why=f"{plan.why}; {block_note(sizes, tile, block_mask, mask)}")
+
+
+def block_note(sizes, tile, block_mask, mask):
+    """How a kernel with tiles of `tile` (rows, keys) reads a block mask of blocks `sizes`
+    (prepass.table_fits): from its table, or written out as the boolean mask it stands
+    for."""
+    def steps(x):
+        return [int(n > 1) for n in (1,) * (4 - len(x.shape)) + tuple(x.shape)]
+
+    what = f"block mask of {sizes[0]} x {sizes[1]}"
+    if table_fits(sizes, [tile], steps(block_mask), None if mask is None else steps(mask)):
+        return f"{what}: tiles of {tile[0]} x {tile[1]} classed from its table, no mask read"
+    return (f"{what}: written out as the boolean mask it stands for (its blocks must hold "
+            f"the kernel's tiles of {tile[0]} x {tile[1]} whole, multiples of 64 do, and a "
+            f"mask given with it have each of its batch and head dimensions)")
 
 
 def check_kernel(kernel, kernels=KERNELS):

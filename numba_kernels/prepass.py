@@ -1,38 +1,90 @@
-"""The pre-passes, launched before the kernels with no wait for the host: a mask's tile classes
-and each query tile's list of visible key tiles, or each key tile's of query tiles
-(block_sparse.py), for the kernels that walk them, and for the tensor-core kernels float32
+"""The pre-passes, launched before the kernels with no wait for the host: a mask's or a block
+table's tile classes (or the mask a block table stands for) and each query tile's list of
+visible key tiles, or each key tile's of query tiles (block_sparse.py), for the kernels that
+walk them, and for the tensor-core kernels float32
 inputs split into float16 halves (halves.py) and 16-bit inputs' tiles flagged where they
 hold a NaN or an inf (flash_mma_bwd.py's scan)."""
 import numpy as np
 
 from reference.memory import span
 
-from .block_sparse import (CLASS_THREADS, CLASS_WARPS, LIST_THREADS, LIST_WARPS, ClassesSpec,
-                           ListsSpec, classes_kernel, lists_kernel)
+from .block_sparse import (BLOCKS_THREADS, CLASS_THREADS, CLASS_WARPS, LIST_THREADS, LIST_WARPS,
+                           BlocksSpec, ClassesSpec, ListsSpec, blocks_kernel, classes_kernel,
+                           lists_kernel)
 from .flash_mma_bwd import SCAN_THREADS, ScanSpec, scan_kernel
 from .halves import ABS_BLOCKS, SLOTS, THREADS as HALVES_THREADS, HalvesSpec, halves_kernel
 from .launch import launch
 from .mma_parts import FLAG_ROWS
 
 
-def class_prepass(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n):
+def class_prepass(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n, blocks=None):
     """The tile classes of a kernel with tiles of block_m x block_n (block_sparse.py):
     (B or 1, Hq or 1, query tiles, key tiles) uint8 on the device, the batch and head
-    dimensions the mask's (mask_dev, as side_inputs gives it, with its steps); without a mask
-    or bias (has_mask False) None. No wait for the host."""
+    dimensions the mask's (mask_dev, as side_inputs gives it, with its steps), and with
+    blocks (a BlockTable, after fit_blocks) its hidden blocks' tiles SKIP; without a mask,
+    bias or block table (has_mask False) None. No wait for the host."""
     if not has_mask:
         return None
     tiles_m, tiles_n = -(-pb.n_q // block_m), -(-pb.n_k // block_n)
     batch, heads = (pb.batch if mask_steps[0] else 1), (pb.heads_q if mask_steps[1] else 1)
     classes = io.scratch((batch, heads, max(tiles_m, 1), max(tiles_n, 1)))
-    if tiles_m * tiles_n:
+    if tiles_m * tiles_n == 0:
+        return classes
+    if blocks is None or blocks.masked:
         words = mask_words(mask_dev, pb.n_k)
         spec = ClassesSpec(block_m, block_n, words is not None)
         grid = (-(-tiles_n // CLASS_WARPS), tiles_m, batch * heads)
         launch(classes_kernel(spec), spec, grid, CLASS_THREADS, io.stream,
                mask_dev if words is None else words,
                tuple(int(x) for x in mask_steps), pb.n_q, pb.n_k, classes)
+    if blocks is not None:
+        spec = BlocksSpec()
+        launch(blocks_kernel(spec), spec, (-(-tiles_m * tiles_n // BLOCKS_THREADS),
+                                           batch * heads), BLOCKS_THREADS, io.stream,
+               blocks.dev, blocks.steps, blocks.block_m // block_m, blocks.block_n // block_n,
+               blocks.masked, classes)
     return classes
+
+
+def table_fits(block_size, tiles, block_steps, mask_steps=None):
+    """Whether kernels with tiles of each (rows, keys) of `tiles` walk a block table's
+    tiles from the table itself: every block of block_size (rows, keys) holds whole tiles,
+    and a mask given with it (its steps; None without one) has each batch or head
+    dimension the table has (block_steps: the kernels find a tile's list by the mask's
+    dimensions)."""
+    whole = bool(tiles) and all(block_size[0] % m == 0 and block_size[1] % n == 0
+                                for m, n in tiles)
+    return whole and (mask_steps is None or all(
+        m or not b for m, b in zip(mask_steps[:2], block_steps[:2])))
+
+
+def fit_blocks(io, pb, mask_dev, steps, blocks, tiles=()):
+    """(mask_dev, steps, blocks) for kernels with tiles of each (rows, keys) of `tiles`
+    (steps: side_inputs's). Unchanged without a block table (blocks None); where the
+    kernels read the table itself (table_fits), without a mask the all-true mask in the
+    table's batch and head dimensions (the kernels find a tile's list by the mask's);
+    else the boolean mask the table stands for, and'ed with the mask, written out on the
+    device (block_sparse.BlocksSpec(expand=True)) in the mask's place, and no table:
+    kernels without visible lists (tiles empty) read that mask pair by pair."""
+    if blocks is None:
+        return mask_dev, steps, blocks
+    lead = [(pb.batch, pb.heads_q)[i] if steps["mask_steps"][i] or blocks.steps[i] else 1
+            for i in range(2)]
+    if table_fits((blocks.block_m, blocks.block_n), tiles, blocks.steps,
+                  steps["mask_steps"] if blocks.masked else None):
+        if blocks.masked:
+            return mask_dev, steps, blocks
+        mask_dev, mask_steps = io.mask(None, lead)
+        return mask_dev, dict(steps, mask_steps=mask_steps), blocks
+    keep = io.scratch((*lead, pb.n_q, pb.n_k))
+    if lead[0] * lead[1] * pb.n_q * pb.n_k:
+        spec = BlocksSpec(expand=True)
+        launch(blocks_kernel(spec), spec, (-(-pb.n_q * pb.n_k // BLOCKS_THREADS),
+                                           lead[0] * lead[1]), BLOCKS_THREADS, io.stream,
+               blocks.dev, blocks.steps, blocks.block_m, blocks.block_n, mask_dev,
+               tuple(int(x) for x in steps["mask_steps"]), keep)
+    keep_steps = tuple(int(n > 1) for n in keep.shape)
+    return keep, dict(steps, mask_steps=keep_steps), None
 
 
 def list_prepass(io, classes, transposed=False):

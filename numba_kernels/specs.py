@@ -5,12 +5,12 @@ the Q tile and the K tile are D words per row, so larger head dims take smaller 
 """
 from functools import lru_cache
 
-from numba import cuda, float32, int16, int32, int64, uint8
+from numba import boolean, cuda, float32, int16, int32, int64, uint8
 from numba.types import UniTuple, float16
 
 from reference.dtypes import KERNEL_DTYPES
-from .block_sparse import (ClassesSpec, ListsSpec, classes_kernel, classes_source, lists_kernel,
-                           lists_source)
+from .block_sparse import (BlocksSpec, ClassesSpec, ListsSpec, blocks_kernel, blocks_source,
+                           classes_kernel, classes_source, lists_kernel, lists_source)
 from .compile_cache import jit
 from .convert import CONVERTERS
 from .flash_bwd import BwdSpec, bwd_kernel_source, bwd_specs
@@ -106,7 +106,8 @@ def classes_specs():
     sizes |= {(s.qb, MMA_BWD_BLOCK) for s in mma_bwd_specs()
               if isinstance(s, MmaBwdSpec) and s.has_mask}
     return [ClassesSpec(m, n, words) for m, n in sorted(sizes) for words in (False, True)] + [
-        ListsSpec(transposed) for transposed in (False, True)]
+        ListsSpec(transposed) for transposed in (False, True)] + [
+        BlocksSpec(expand) for expand in (False, True)]
 
 
 def shipped_specs():
@@ -180,6 +181,14 @@ def classes_signature(spec):
     """Argument types of the tile-class pre-pass (block_sparse.classes_source)."""
     mask = int32[:, :, :, ::1] if spec.words else uint8[:, :, :, ::1]
     return (mask, UniTuple(int64, 4), int64, int64, uint8[:, :, :, ::1])
+
+
+def blocks_signature(spec):
+    """Argument types of a block mask's pre-passes (block_sparse.blocks_source)."""
+    table, steps = uint8[:, :, :, ::1], UniTuple(int64, 4)
+    if spec.expand:
+        return (table, steps, int64, int64, table, steps, table)
+    return (table, steps, int64, int64, boolean, table)
 
 
 def lists_signature(spec):
@@ -259,6 +268,9 @@ def _variant(spec):
                 classes_signature(spec))
     if isinstance(spec, ListsSpec):
         return (lambda: lists_source(spec), lambda: lists_kernel(spec), lists_signature(spec))
+    if isinstance(spec, BlocksSpec):
+        return (lambda: blocks_source(spec), lambda: blocks_kernel(spec),
+                blocks_signature(spec))
     if isinstance(spec, HalvesSpec):
         source = absmax_source if spec.part == "absmax" else split_source
         return (source, lambda: halves_kernel(spec), halves_signature(spec))

@@ -14,6 +14,20 @@ SKIP, PARTIAL, FULL = 0, 1, 2
 CLASS_NAMES = ("skip", "partial", "full")
 
 
+def block_mask_visible(block_mask, block_size, n_q, n_k):
+    """The boolean mask (..., n_q, n_k) a block mask stands for (docs/contract.md): pair
+    (i, j) visible where block_mask[..., i // block_m, j // block_n] is True (block_size as
+    reference.contract.check_block_mask takes it; block_mask a NumPy array or what
+    np.asarray reads)."""
+    block_m, block_n = tuple(block_size) if isinstance(block_size, (tuple, list)) else (
+        block_size, block_size)
+    keep = np.asarray(block_mask)
+    keep = keep.reshape((1,) * (2 - keep.ndim) + keep.shape) if keep.ndim < 2 else keep
+    rows = np.minimum(np.arange(n_q) // block_m, keep.shape[-2] - 1)
+    cols = np.minimum(np.arange(n_k) // block_n, keep.shape[-1] - 1)
+    return keep[..., rows, :][..., cols]
+
+
 def tile_classes(keep, block_m, block_n):
     """(..., ceil(Nq / block_m), ceil(Nk / block_n)) uint8 of SKIP, PARTIAL or FULL for the
     boolean visibility `keep` (..., Nq, Nk) (a mask, or reference.contract.dense_visible's

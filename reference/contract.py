@@ -27,6 +27,8 @@ from ._xp import to_int_list
 from .bands import key_range
 from .dtypes import FLOAT_DTYPES, dtype_name
 
+BLOCK_SIZE = 128  # a block mask's default block (FlexAttention's default too)
+
 CAUSAL_CHOICES = (False, "top_left", "bottom_right")
 
 _CAUSAL_TRUE_MESSAGE = (
@@ -66,13 +68,13 @@ def shape4(name, x, expected):
     return tuple(int(s) for s in x.shape)
 
 
-def _check_broadcast(name, x, full):
+def check_broadcast(name, x, full, dims="(B, Hq, Nq, Nk)"):
+    """A ValueError where x's shape does not broadcast to `full` (named `dims`): at most 4
+    dimensions, each of full's size or 1."""
     shape = tuple(int(s) for s in x.shape)
     ok = len(shape) <= 4 and all(s in (1, f) for s, f in zip(shape[::-1], full[::-1]))
     if not ok:
-        raise ValueError(
-            f"{name} of shape {shape} does not broadcast to (B, Hq, Nq, Nk) = {full}"
-        )
+        raise ValueError(f"{name} of shape {shape} does not broadcast to {dims} = {full}")
 
 
 def _normalise_scale(scale, D):
@@ -180,15 +182,42 @@ def check_attention_args(q, k, v, *, scale=None, causal=False, mask=None, bias=N
         if array_dtype(mask) != "bool":
             raise TypeError(f"mask must be boolean (True = attend), got dtype "
                             f"{array_dtype(mask)}")
-        _check_broadcast("mask", mask, full)
+        check_broadcast("mask", mask, full)
     if bias is not None:
         if array_dtype(bias) not in FLOAT_DTYPES:
             raise TypeError(f"bias must be a float array, got dtype {array_dtype(bias)}")
-        _check_broadcast("bias", bias, full)
+        check_broadcast("bias", bias, full)
     if kv_lengths is not None:
         _check_kv_lengths(kv_lengths, B, Nk)
     return Problem(B, Hq, Hk, Nq, Nk, D, Dv, names["q"], float(scale), left, right,
                    causal == "bottom_right" or (not causal and window is not None))
+
+
+def check_block_mask(block_mask, block_size, problem):
+    """(block_m, block_n) of a block mask for `problem` (a Problem): a
+    boolean array broadcastable to (B, Hq, ceil(Nq / block_m), ceil(Nk / block_n)), True
+    where the block of query rows by keys is visible, and block_size an integer (square
+    blocks) or a pair (block_m, block_n) of integers >= 1. TypeError or ValueError naming
+    the argument otherwise."""
+    if isinstance(block_size, (tuple, list)) and len(block_size) == 2:
+        sizes = tuple(block_size)
+    else:
+        sizes = (block_size, block_size)
+    if not all(is_integer(x) and x >= 1 for x in sizes):
+        raise ValueError(f"block_size must be an integer >= 1 or a pair (block_m, block_n) of "
+                         f"them, got {block_size!r}")
+    block_m, block_n = (int(x) for x in sizes)
+    if not (hasattr(block_mask, "shape") and hasattr(block_mask, "dtype")):
+        raise TypeError(f"block_mask must be a boolean array (NumPy, CuPy or torch), got "
+                        f"{type(block_mask).__name__}")
+    if array_dtype(block_mask) != "bool":
+        raise TypeError(f"block_mask must be boolean (True = the block is visible), got dtype "
+                        f"{array_dtype(block_mask)}")
+    blocks = (problem.batch, problem.heads_q, -(-problem.n_q // block_m),
+              -(-problem.n_k // block_n))
+    check_broadcast("block_mask", block_mask, blocks,
+                    f"(B, Hq, ceil(Nq / {block_m}), ceil(Nk / {block_n}))")
+    return block_m, block_n
 
 
 def _check_kv_lengths(kv_lengths, B, Nk):

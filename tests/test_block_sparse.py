@@ -1,6 +1,8 @@
 """Block sparsity in the forward kernels (numba_kernels/block_sparse.py): the pre-passes class a
 mask's tiles and list the visible ones as reference/blocks.py does, and the kernels walk those
 lists: a SKIP tile is not visited, a FULL tile's mask is not read."""
+import re
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,9 +11,11 @@ from hypothesis import strategies as st
 import verify  # noqa: F401  (selects the simulator on a machine without a GPU)
 import reference
 from numba_kernels import backward, flash_attention, flash_attention_backward, forward
-from numba_kernels.arrays import begin, side_inputs
-from numba_kernels.prepass import class_prepass, list_prepass
-from reference.blocks import FULL, PARTIAL, SKIP, tile_classes, visible_lists
+from numba_kernels.arrays import begin, block_table, side_inputs
+from numba_kernels.plan import kernel_plan
+from numba_kernels.prepass import class_prepass, fit_blocks, list_prepass
+from reference.blocks import (FULL, PARTIAL, SKIP, block_mask_visible, tile_classes,
+                              visible_lists)
 
 
 def _host(x):
@@ -79,8 +83,8 @@ def test_the_forward_kernels_skip_and_trust_the_classes(monkeypatch, kernel, dty
     true = forward.class_prepass
 
     def run(fill=None, bias=None):
-        def classes(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n):
-            got = true(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n)
+        def classes(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n, blocks=None):
+            got = true(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n, blocks)
             if fill is not None:
                 got = io.dev(np.full(_host(got).shape, fill, np.uint8))
             return got
@@ -124,8 +128,8 @@ def test_the_tensor_core_backward_skips_and_trusts_the_classes(monkeypatch):
     def run(fill=None, bias=None):
         """The gradients from the backward with `mask` and its classes (every one `fill`
         where given), after the forward that `fill` asks for (FULL: without the mask)."""
-        def classes(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n):
-            got = true(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n)
+        def classes(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n, blocks=None):
+            got = true(io, pb, mask_dev, mask_steps, has_mask, block_m, block_n, blocks)
             if fill is not None:
                 got = io.dev(np.full(_host(got).shape, fill, np.uint8))
             return got
@@ -185,3 +189,84 @@ def test_the_prepass_reads_words_of_four_keys_where_it_can(n_k, offset, words):
     got = _host(class_prepass(io, pb, mask_dev, steps["mask_steps"], True, 16, 16))
     want = tile_classes(np.broadcast_to(mask, (b, 1, n_q, n_k)), 16, 16)
     assert (got == want).all() and {SKIP, FULL} <= set(np.unique(got)), (got, want)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(1, 150), st.integers(1, 150), st.sampled_from([(64, 32), (32, 64)]),
+       st.sampled_from([(64, 64), (128, 64), (64, 192)]), st.booleans(), st.integers(0, 2**31))
+def test_a_block_table_classes_tiles_as_its_mask_would(n_q, n_k, tiles, size, masked, seed):
+    """From a block table alone (blocks holding whole tiles), and with a mask beside it: the
+    reference's classes of the boolean mask the table stands for."""
+    rng = np.random.default_rng(seed)
+    b, h = 2, 3
+    blocks = rng.random((1, h, -(-n_q // size[0]), -(-n_k // size[1]))) < 0.5
+    mask = rng.random((b, h, n_q, n_k)) < 0.9 if masked else None
+    q = np.zeros((b, h, n_q, 8), np.float16)
+    k = v = np.zeros((b, h, n_k, 8), np.float16)
+    pb, io, _, _ = begin(q, k, v, None, False, mask, None, None, None, blocks, size)
+    table = block_table(io, pb, blocks, size, masked)
+    mask_dev, _, _, steps = side_inputs(io, pb, mask, None, None)
+    mask_dev, steps, table = fit_blocks(io, pb, mask_dev, steps, table, [tiles])
+    assert table is not None  # read from the table, not written out
+    got = _host(class_prepass(io, pb, mask_dev, steps["mask_steps"], True, *tiles, table))
+    keep = block_mask_visible(blocks, size, n_q, n_k) & (True if mask is None else mask)
+    want = tile_classes(keep, *tiles)
+    assert (got == np.broadcast_to(want, got.shape)).all(), (got, want)
+
+
+BLOCK_CASES = {  # name: (block_size, table shape's batch and heads, mask's, kernel)
+    "table": ((64, 64), (1, 2), None, "mma"),  # classed from the table, no mask read, the
+    # table's heads not the mask's
+    "written out": (16, (2, 1), (1, 2), "simt"),  # blocks smaller than the tiles
+}
+
+
+@pytest.mark.parametrize("name", BLOCK_CASES)
+def test_a_block_mask_gives_its_masks_bits(name):
+    """flash_attention(block_mask=) is the call with the boolean mask the table stands for
+    (reference.blocks.block_mask_visible), bit for bit, and its backward that mask's
+    gradients (bit for bit on the GPU: tests/test_gpu.py); kernel_plan says which way the
+    table was read."""
+    size, lead, mask_lead, kernel = BLOCK_CASES[name]
+    rng = np.random.default_rng(7)
+    b, h, n_q, n_k, d = lead[0], 2, 40, 100, 16
+    bm, bn = (size, size) if isinstance(size, int) else size
+    q, k, v, dout = (rng.standard_normal(s).astype(np.float16) for s in (
+        (b, h, n_q, d), (b, h, n_k, d), (b, h, n_k, d), (b, h, n_q, d)))
+    blocks = rng.random(lead + (-(-n_q // bm), -(-n_k // bn))) < 0.5
+    blocks[..., 0, 0] = True
+    blocks[..., -1, -1] = np.arange(lead[1]) % 2 == 0  # a head that skips, one that keeps
+    mask = None if mask_lead is None else rng.random(mask_lead + (n_q, n_k)) < 0.8
+    keep = block_mask_visible(blocks, size, n_q, n_k) & (True if mask is None else mask)
+    options = dict(causal="bottom_right", kernel=kernel)
+    plan = kernel_plan(q, k, v, mask=mask, block_mask=blocks, block_size=size, **options)
+    assert ("from its table" if name == "table" else "written out") in plan.why
+    got = flash_attention(q, k, v, mask=mask, block_mask=blocks, block_size=size,
+                          return_lse=True, **options)
+    want = flash_attention(q, k, v, mask=keep, return_lse=True, **options)
+    for x, y in zip(got, want):
+        assert np.array_equal(x, y, equal_nan=True)
+    exact = [x.astype(np.float64) for x in (q, k, v, dout)]
+    close = reference.attention(*exact[:3], mask=keep, causal="bottom_right")
+    assert np.abs(got[0] - close).max() < 2e-3
+    if kernel == "mma":
+        grads = flash_attention_backward(q, k, v, *got, dout, causal="bottom_right",
+                                         mask=mask, block_mask=blocks, block_size=size)
+        for x, y in zip(grads, reference.attention_backward(*exact, mask=keep,
+                                                            causal="bottom_right")):
+            assert np.abs(x - y).max() < 1e-2 * np.abs(y).max() + 1e-3
+
+
+def test_a_block_mask_is_checked():
+    """Errors name block_mask or block_size and what was expected."""
+    q = k = v = np.zeros((1, 2, 100, 8), np.float32)
+    good = np.ones((1, 2, 1, 1), bool)
+    for bad, size, error, words in [
+            (np.ones((1, 2, 2, 2), np.uint8), 64, TypeError, "block_mask must be boolean"),
+            ([[True]], 64, TypeError, "block_mask must be a boolean array"),
+            (np.ones((1, 2, 3, 2), bool), 64, ValueError, "ceil(Nq / 64)"),
+            (good, 0, ValueError, "block_size must be"),
+            (good, (64, 2.0), ValueError, "block_size must be"),
+            (good, True, ValueError, "block_size must be")]:
+        with pytest.raises(error, match=re.escape(words)):
+            flash_attention(q, k, v, block_mask=bad, block_size=size)

@@ -276,3 +276,32 @@ def test_autograd_on_cuda_tensors_that_require_grad_gives_the_backward_kernels_g
         want = flash_attention_backward(q, k, v, out, lse, dout, mask=mask)
     for got, kernel in zip(grads, want):
         assert torch.equal(got, kernel)
+
+
+@pytest.mark.parametrize("size,masked", [((128, 128), False), ((64, 192), True), (48, False)])
+def test_a_block_mask_is_its_masks_call_bit_for_bit(size, masked):
+    """flash_attention(block_mask=) through autograd, forward and gradients, bitwise the call
+    with the boolean mask the table stands for (read from the table for blocks of 64
+    multiples, written out for others), at a size of many tiles, replayed the second time."""
+    from numba_kernels import flash_attention
+    from reference.blocks import block_mask_visible
+
+    b, h, n_q, n_k, d = 2, 4, 700, 1000, 64
+    bm, bn = (size, size) if isinstance(size, int) else size
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                     for n in (n_q, n_k, n_k, n_q))
+    table = torch.rand(1, h, -(-n_q // bm), -(-n_k // bn), device="cuda", generator=g) < 0.3
+    mask = torch.rand(b, h, n_q, n_k, device="cuda", generator=g) < 0.9 if masked else None
+    keep = torch.as_tensor(block_mask_visible(table.cpu().numpy(), size, n_q, n_k),
+                           device="cuda") & (True if mask is None else mask)
+    for _ in range(2):  # the second call replays the first one's launches
+        results = []
+        for sides in (dict(mask=mask, block_mask=table, block_size=size), dict(mask=keep)):
+            x = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = flash_attention(*x, causal="bottom_right", **sides)
+            out.backward(dout)
+            results.append([out] + [t.grad for t in x])
+        for got, want in zip(*results):
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got.nan_to_num(), want.nan_to_num())
