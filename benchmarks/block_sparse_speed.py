@@ -4,12 +4,14 @@ the same mask and FlexAttention with the same blocks as a BlockMask (compiled), 
 
     python benchmarks/block_sparse_speed.py [--shape 1,16,8192,128] [--dtype bfloat16]
                                             [--block 128] [--density 0.1] [--backward]
+                                            [--kinds causal,window] [--left 1024]
                                             [--impls ours] [--out DIR]
 
 The mask (verify.cases.block_mask, as (1, 1, N, N) booleans): "blocks", blocks of --block x
 --block pairs with a fraction --density of them kept at random (the diagonal blocks always);
-"blocks-dense", every block (a mask of ones). Causal bands and windows are the kernels' own
-arguments, which skip tiles already (attention_speed.py times them). CUDA events, a warm-up
+"blocks-dense", every block (a mask of ones). --kinds causal,window times the bands as the
+kernels' own arguments (which skip tiles by the band) beside FlexAttention's block mask of
+the same band; their "kept" is the fraction of pairs visible. CUDA events, a warm-up
 call, the median of repeats worth about 0.3 s (attention_speed.time_ms). --backward times
 forward plus backward through autograd. Writes DIR/block_sparse_speed.json.
 """
@@ -53,6 +55,29 @@ def calls(q, k, v, mask, block):
             "flex, block mask": lambda: flex(q, k, v, block_mask=blocks)}
 
 
+def band_calls(q, k, v, kind, left):
+    """{name: a call of it} for a band given as the kernels' own arguments ("causal": top-left
+    causal; "window": each row's `left` keys before it and itself), beside FlexAttention with
+    the same band as a BlockMask (made once, outside) and our unmasked call."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    flex = torch.compile(flex_attention)
+    if kind == "causal":
+        options = dict(causal="top_left")
+
+        def visible(b, h, qi, ki):
+            return ki <= qi
+    else:
+        options = dict(window=(left, 0))
+
+        def visible(b, h, qi, ki):
+            return (ki <= qi) & (qi - ki <= left)
+    blocks = create_block_mask(visible, None, None, q.shape[2], k.shape[2], device="cuda")
+    return {"ours, no mask": lambda: flash_attention(q, k, v),
+            f"ours, {kind}": lambda: flash_attention(q, k, v, **options),
+            f"flex, {kind} block mask": lambda: flex(q, k, v, block_mask=blocks)}
+
+
 def timed(call, backward, grad):
     if not backward:
         return time_ms(call)[0]
@@ -72,7 +97,10 @@ def main():
                     help="the fraction of blocks drawn at random, the diagonal added (0.1: about "
                          "12%% of the blocks kept in all at N = 8192, blocks of 128)")
     ap.add_argument("--kinds", default="blocks,blocks-dense",
-                    help="masks to time (verify.cases.BLOCK_MASKS' names)")
+                    help="masks to time (verify.cases.BLOCK_MASKS' names), or the bands "
+                         "'causal' and 'window' (the kernels' own arguments)")
+    ap.add_argument("--left", type=int, default=1024,
+                    help="the window's keys before each row, for --kinds window")
     ap.add_argument("--backward", action="store_true", help="forward plus backward")
     ap.add_argument("--impls", default="",
                     help="time only the calls whose names start with one of these, comma "
@@ -86,10 +114,15 @@ def main():
     grad = torch.randn_like(q)
     rows = []
     for kind in a.kinds.split(","):
-        keep = block_mask(kind, np.random.default_rng(0), (1, 1, n, n), a.block, a.density)
-        kept = float(keep[..., ::a.block, ::a.block].mean())  # the blocks kept
-        mask = torch.from_numpy(keep).cuda()
-        for name, call in calls(q, k, v, mask, a.block).items():
+        if kind in ("causal", "window"):
+            keep = np.tril(np.ones((n, n), bool)) & (kind == "causal" or np.triu(
+                np.ones((n, n), bool), -a.left))
+            kept, named = float(keep.mean()), band_calls(q, k, v, kind, a.left)
+        else:
+            keep = block_mask(kind, np.random.default_rng(0), (1, 1, n, n), a.block, a.density)
+            kept = float(keep[..., ::a.block, ::a.block].mean())  # the blocks kept
+            named = calls(q, k, v, torch.from_numpy(keep).cuda(), a.block)
+        for name, call in named.items():
             if a.impls and not name.startswith(tuple(a.impls.split(","))):
                 continue
             try:
