@@ -158,25 +158,38 @@ class BlocksSpec:
     expand: bool = False
 
 
+@kernel_part
+def this_element(out):
+    """(b, h, i, j, inside): the element of out (4-D: batch, head, then the two dimensions
+    a thread each walks) of this thread of a grid (elements / BLOCKS_THREADS, batch * heads)
+    of BLOCKS_THREADS threads; inside False past its last one."""
+    heads, n = out.shape[1], out.shape[3]
+    p = int64(cuda.blockIdx.x) * BLOCKS_THREADS + cuda.threadIdx.x
+    b, h = int64(cuda.blockIdx.y) // heads, int64(cuda.blockIdx.y) % heads
+    return b, h, p // n, p % n, p < out.shape[2] * n
+
+
+@kernel_part
+def block_kept(blocks, block_steps, b, h, block_i, block_j):
+    """Whether the block table (uint8, its broadcast dimensions' steps 0) keeps block
+    (block_i, block_j) of batch b, head h."""
+    return blocks[b * block_steps[0], h * block_steps[1], block_i * block_steps[2],
+                  block_j * block_steps[3]] != 0
+
+
 def blocks_source(spec=BlocksSpec()):
     """The pre-pass of a BlocksSpec: a thread a tile (a pair where expand), grid (tiles (pairs)
-    / BLOCKS_THREADS, (batch, head) of the output). The block table is uint8, its broadcast
-    dimensions' steps 0 in block_steps, as a mask's."""
+    / BLOCKS_THREADS, (batch, head) of the output)."""
 
     def block_classes(blocks, block_steps, per_m, per_n, masked, classes):
         """classes[cb, ch, i, j] (shape (B or 1, Hq or 1, query tiles, key tiles)) for
         tiles inside one block each, per_m tiles of rows by per_n of keys a block: SKIP
         where the block is hidden; where it is kept, FULL, or with masked the class of the
         mask that classes already holds (classes_source's)."""
-        heads, tiles_n = classes.shape[1], classes.shape[3]
-        p = int64(cuda.blockIdx.x) * BLOCKS_THREADS + cuda.threadIdx.x
-        if p >= classes.shape[2] * tiles_n:
+        cb, ch, i, j, inside = this_element(classes)
+        if not inside:
             return
-        i, j = p // tiles_n, p % tiles_n
-        cb, ch = int64(cuda.blockIdx.y) // heads, int64(cuda.blockIdx.y) % heads
-        kept = blocks[cb * block_steps[0], ch * block_steps[1], i // per_m * block_steps[2],
-                      j // per_n * block_steps[3]] != 0
-        if not kept:
+        if not block_kept(blocks, block_steps, cb, ch, i // per_m, j // per_n):
             classes[cb, ch, i, j] = SKIP
         elif not masked:
             classes[cb, ch, i, j] = FULL
@@ -184,16 +197,11 @@ def blocks_source(spec=BlocksSpec()):
     def expand_blocks(blocks, block_steps, block_m, block_n, mask, mask_steps, keep):
         """keep[b, h, i, j] (uint8 (B or 1, Hq or 1, Nq, Nk)): 1 where the block of pair
         (i, j) is kept and the mask keeps the pair, else 0."""
-        heads, n_k = keep.shape[1], keep.shape[3]
-        p = int64(cuda.blockIdx.x) * BLOCKS_THREADS + cuda.threadIdx.x
-        if p >= keep.shape[2] * n_k:
+        b, h, i, j, inside = this_element(keep)
+        if not inside:
             return
-        i, j = p // n_k, p % n_k
-        b, h = int64(cuda.blockIdx.y) // heads, int64(cuda.blockIdx.y) % heads
-        kept = blocks[b * block_steps[0], h * block_steps[1], i // block_m * block_steps[2],
-                      j // block_n * block_steps[3]] != 0
-        if kept and mask[b * mask_steps[0], h * mask_steps[1], i * mask_steps[2],
-                         j * mask_steps[3]] != 0:
+        if block_kept(blocks, block_steps, b, h, i // block_m, j // block_n) and mask[
+                b * mask_steps[0], h * mask_steps[1], i * mask_steps[2], j * mask_steps[3]] != 0:
             keep[b, h, i, j] = 1
         else:
             keep[b, h, i, j] = 0
