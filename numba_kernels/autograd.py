@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from reference.contract import BLOCK_SIZE
+from reference.contract import BLOCK_SIZE, block_pair
 from .arrays import on_device
 from .backward import flash_attention_backward
 from .forward import forward
@@ -55,14 +55,8 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_len
         q, k, v, mask, bias, kv_lengths, None if scale is None else float(scale),
         causal or "", None if window is None else [int(w) for w in window], num_splits,
         kernel, precision, block_mask,
-        list(block_sizes(block_size) if block_mask is not None else (BLOCK_SIZE, BLOCK_SIZE)))
+        list(block_pair(block_size) if block_mask is not None else (BLOCK_SIZE, BLOCK_SIZE)))
     return (out, lse) if return_lse else out
-
-
-def block_sizes(block_size):
-    """block_size (an integer, or a pair: reference.blocks.check_block_mask, which has
-    checked it) as the pair (block_m, block_n)."""
-    return tuple(block_size) if isinstance(block_size, (tuple, list)) else (block_size,) * 2
 
 
 def _options(mask, bias, kv_lengths, scale, causal, window, num_splits=None, kernel=None,

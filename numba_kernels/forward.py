@@ -90,7 +90,6 @@ def _planned(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec
                      float32_out=float32_out, blocks=blocks)
 
 
-
 def replay_key(inputs, scale=None, causal=False, window=None, return_lse=False,
                num_splits=None, kernel="auto", precision="highest", masked=False,
                biased=False, block_size=None):

@@ -193,16 +193,21 @@ def check_attention_args(q, k, v, *, scale=None, causal=False, mask=None, bias=N
                    causal == "bottom_right" or (not causal and window is not None))
 
 
+def block_pair(block_size):
+    """block_size as the pair (block_m, block_n): an integer is a square block's side, a
+    pair of them is itself (what check_block_mask then checks)."""
+    if isinstance(block_size, (tuple, list)) and len(block_size) == 2:
+        return tuple(block_size)
+    return block_size, block_size
+
+
 def check_block_mask(block_mask, block_size, problem):
     """(block_m, block_n) of a block mask for `problem` (a Problem): a
     boolean array broadcastable to (B, Hq, ceil(Nq / block_m), ceil(Nk / block_n)), True
     where the block of query rows by keys is visible, and block_size an integer (square
     blocks) or a pair (block_m, block_n) of integers >= 1. TypeError or ValueError naming
     the argument otherwise."""
-    if isinstance(block_size, (tuple, list)) and len(block_size) == 2:
-        sizes = tuple(block_size)
-    else:
-        sizes = (block_size, block_size)
+    sizes = block_pair(block_size)
     if not all(is_integer(x) and x >= 1 for x in sizes):
         raise ValueError(f"block_size must be an integer >= 1 or a pair (block_m, block_n) of "
                          f"them, got {block_size!r}")

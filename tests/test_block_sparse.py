@@ -16,6 +16,7 @@ from numba_kernels.plan import kernel_plan
 from numba_kernels.prepass import class_prepass, fit_blocks, list_prepass
 from reference.blocks import (FULL, PARTIAL, SKIP, block_mask_visible, tile_classes,
                               visible_lists)
+from reference.contract import block_pair
 
 
 def _host(x):
@@ -230,7 +231,7 @@ def test_a_block_mask_gives_its_masks_bits(name):
     size, lead, mask_lead, kernel = BLOCK_CASES[name]
     rng = np.random.default_rng(7)
     b, h, n_q, n_k, d = lead[0], 2, 40, 100, 16
-    bm, bn = (size, size) if isinstance(size, int) else size
+    bm, bn = block_pair(size)
     q, k, v, dout = (rng.standard_normal(s).astype(np.float16) for s in (
         (b, h, n_q, d), (b, h, n_k, d), (b, h, n_k, d), (b, h, n_q, d)))
     blocks = rng.random(lead + (-(-n_q // bm), -(-n_k // bn))) < 0.5

@@ -285,9 +285,10 @@ def test_a_block_mask_is_its_masks_call_bit_for_bit(size, masked):
     multiples, written out for others), at a size of many tiles, replayed the second time."""
     from numba_kernels import flash_attention
     from reference.blocks import block_mask_visible
+    from reference.contract import block_pair
 
     b, h, n_q, n_k, d = 2, 4, 700, 1000, 64
-    bm, bn = (size, size) if isinstance(size, int) else size
+    bm, bn = block_pair(size)
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
                      for n in (n_q, n_k, n_k, n_q))

@@ -19,39 +19,7 @@ from .device import use_simulator_if_no_gpu
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(
-        prog="python -m verify", description="Certify an attention implementation against "
-        "the float64 reference.", epilog="built-in adapters: " + ", ".join(BUILTIN_NAMES)
-        + " (verify/adapters.py says what each is)")
-    ap.add_argument("impl", nargs="?", help="built-in adapter name or MODULE:CALLABLE")
-    ap.add_argument("--replay", metavar="CERTIFICATE",
-                    help="re-run the failed cases of this JSON certificate")
-    ap.add_argument("--timeout", type=float, default=120.0,
-                    help="seconds a call may take before it counts as hung (default 120)")
-    ap.add_argument("--suite", default="auto", choices=["auto", "quick", "standard", "full",
-                                                        "scale"],
-                    help="auto (default): standard on a GPU, quick in the CUDA simulator; "
-                         "scale: 32-bit index limits crossed (a GPU's memory, sampled rows)")
-    ap.add_argument("--backward", action="store_true",
-                    help="certify the gradients dq, dk, dv (the suite's backward battery)")
-    ap.add_argument("--dtype", action="append", dest="dtypes",
-                    choices=["float32", "float16", "bfloat16"],
-                    help="limit to this dtype (repeatable); default: all it claims")
-    ap.add_argument("--array", choices=["numpy", "torch", "cupy", "jax"],
-                    help="array type a MODULE:CALLABLE takes (default numpy)")
-    ap.add_argument("--device", choices=["cpu", "cuda"])
-    ap.add_argument("--layout", choices=["bhnd", "bnhd"])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", help="write the certificate here")
-    ap.add_argument("--quiet", action="store_true", help="no progress lines")
-    ap.add_argument("--world-size", type=int, metavar="N",
-                    help="run IMPL on N ranks (its per-rank protocol: verify/distributed.py; "
-                         "gloo processes on a CPU, one GPU a rank with NCCL), forward or "
-                         "with --backward")
-    ap.add_argument("--shard-layout", default="contiguous",
-                    help="how each case's rows are sharded across the ranks: contiguous, "
-                         "zigzag, or MODULE:FUNCTION (function(n, world_size) -> each rank's "
-                         "(start, stop) ranges)")
+    ap = _parser()
     a = ap.parse_args(argv)
     if a.world_size is not None:
         from .distributed import layout_named
@@ -90,6 +58,45 @@ def main(argv=None):
         report.save(a.json)
         print(f"certificate written to {a.json}")
     return 0 if report.passed else 1
+
+
+
+def _parser():
+    """The command line's parser."""
+    ap = argparse.ArgumentParser(
+        prog="python -m verify", description="Certify an attention implementation against "
+        "the float64 reference.", epilog="built-in adapters: " + ", ".join(BUILTIN_NAMES)
+        + " (verify/adapters.py says what each is)")
+    ap.add_argument("impl", nargs="?", help="built-in adapter name or MODULE:CALLABLE")
+    ap.add_argument("--replay", metavar="CERTIFICATE",
+                    help="re-run the failed cases of this JSON certificate")
+    ap.add_argument("--timeout", type=float, default=120.0,
+                    help="seconds a call may take before it counts as hung (default 120)")
+    ap.add_argument("--suite", default="auto", choices=["auto", "quick", "standard", "full",
+                                                        "scale"],
+                    help="auto (default): standard on a GPU, quick in the CUDA simulator; "
+                         "scale: 32-bit index limits crossed (a GPU's memory, sampled rows)")
+    ap.add_argument("--backward", action="store_true",
+                    help="certify the gradients dq, dk, dv (the suite's backward battery)")
+    ap.add_argument("--dtype", action="append", dest="dtypes",
+                    choices=["float32", "float16", "bfloat16"],
+                    help="limit to this dtype (repeatable); default: all it claims")
+    ap.add_argument("--array", choices=["numpy", "torch", "cupy", "jax"],
+                    help="array type a MODULE:CALLABLE takes (default numpy)")
+    ap.add_argument("--device", choices=["cpu", "cuda"])
+    ap.add_argument("--layout", choices=["bhnd", "bnhd"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the certificate here")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines")
+    ap.add_argument("--world-size", type=int, metavar="N",
+                    help="run IMPL on N ranks (its per-rank protocol: verify/distributed.py; "
+                         "gloo processes on a CPU, one GPU a rank with NCCL), forward or "
+                         "with --backward")
+    ap.add_argument("--shard-layout", default="contiguous",
+                    help="how each case's rows are sharded across the ranks: contiguous, "
+                         "zigzag, or MODULE:FUNCTION (function(n, world_size) -> each rank's "
+                         "(start, stop) ranges)")
+    return ap
 
 
 def _refusal(a):
