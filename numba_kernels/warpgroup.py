@@ -1,0 +1,282 @@
+"""Hopper's warpgroup instructions from Python (sm_90a): wgmma.mma_async with both operands in
+shared memory, read through matrix descriptors, and the fences and groups that order it. On
+the GPU each is one inline-PTX instruction (a Numba @intrinsic); in the simulator each is
+Python with the same per-thread result, as warp.py does for mma.sync. Nothing here is used by
+a shipped kernel yet (issue 38's first step); the layouts are the ones the H200 was checked
+against (tests/test_gpu.py).
+
+A warpgroup is 4 consecutive warps, 128 threads whose first is a multiple of 128; thread t of
+it is in warp w = t // 32, lane 4 g + q.
+
+wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16}: D (64 x N) = A (64 x 16)
+B (16 x N) + D, float32 accumulators, N a multiple of 8 from 8 to 256. A and B are in shared
+memory, "K-major" without swizzle: each is a grid of core matrices of 8 rows by 16 bytes
+(eight 16-bit values along K), a core matrix's rows 16 bytes apart; core matrices adjacent
+along K are LBO bytes apart, along the rows (M for A, N for B, whose rows are B's columns)
+SBO bytes apart (operand_offset). A descriptor names the first core matrix, 16-byte aligned.
+
+Accumulator of thread t, N / 2 floats, like mma.sync's C fragment per warp:
+
+    d[4 j + 0], d[4 j + 1] = D[16 w + g,     8 j + 2 q], D[16 w + g,     8 j + 2 q + 1]
+    d[4 j + 2], d[4 j + 3] = D[16 w + g + 8, 8 j + 2 q], D[16 w + g + 8, 8 j + 2 q + 1]
+
+Ordering (PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate"): ordinary shared
+stores reach the async proxy that wgmma reads through only after fence_proxy_async (then a
+barrier for other threads' stores); wgmma_fence before the first wgmma that reads registers
+written since; wgmma_commit closes a group of issued products; wgmma_wait(n) returns when at
+most n groups are still pending, and only then do the accumulators hold the result. The
+simulator computes a product when it is issued (the earliest the hardware may read its
+operands): a kernel that overwrites an operand before waiting is wrong on the GPU and not
+caught here; one that reads the accumulators before waiting reads the result here and
+garbage there.
+"""
+import numpy as np
+from numba import cuda
+
+from .convert import SIMULATOR, device_function
+from .warp import bits_value
+
+WARPGROUP = 128
+CORE_ROWS, CORE_BYTES = 8, 16  # a core matrix: 8 rows of 16 bytes (8 16-bit values)
+
+
+def operand_offset(row, k, lbo, sbo):
+    """Byte offset, from the descriptor's start, of element (row, k) of a K-major operand
+    without swizzle (row: A's m, or B's n; k: 0..15), 16-bit elements."""
+    return ((row // CORE_ROWS) * sbo + (k // 8) * lbo + (row % CORE_ROWS) * CORE_BYTES
+            + (k % 8) * 2)
+
+
+def operand_image(matrix, lbo, sbo):
+    """A (rows, 16 s) array of 16-bit values -> the uint32 words of shared memory that hold
+    it, K-major without swizzle, step s (16 values of K) at s * 2 * lbo bytes: the layout the
+    descriptor of step s, at byte s * 2 * lbo, reads (two core matrices along K a step)."""
+    bits = np.ascontiguousarray(matrix).view(np.uint16)
+    rows, ks = bits.shape
+    if ks % 16 or rows % CORE_ROWS or lbo % 16 or sbo % 16:
+        raise ValueError(f"operand_image: rows {rows} (a multiple of 8), K {ks} (of 16), "
+                         f"lbo {lbo} and sbo {sbo} (of 16) expected")
+    size = max(s * 2 * lbo + operand_offset(rows - 1, 15, lbo, sbo) + 2 for s in range(ks // 16))
+    image = np.zeros(-(-size // 4) * 2, np.uint16)
+    for s in range(ks // 16):
+        for r in range(rows):
+            for k in range(16):
+                image[(s * 2 * lbo + operand_offset(r, k, lbo, sbo)) // 2] = bits[r, 16 * s + k]
+    return image.view(np.uint32)
+
+
+def accumulator_matrix(frags):
+    """(128, N / 2) accumulators of a warpgroup, by thread -> D (64, N)."""
+    frags = np.asarray(frags)
+    n = 2 * frags.shape[1]
+    out = np.empty((64, n), frags.dtype)
+    for t in range(WARPGROUP):
+        w, g, q = t // 32, t % 32 // 4, t % 4
+        for j in range(n // 8):
+            for half in range(2):
+                out[16 * w + g + 8 * half, 8 * j + 2 * q:8 * j + 2 * q + 2] = \
+                    frags[t, 4 * j + 2 * half:4 * j + 2 * half + 2]
+    return out
+
+
+def product_reference(a, b_t, c):
+    """D = A B + C as the simulator computes it: A (64, 16) and B^T (N, 16) 16-bit values
+    (float16, or bfloat16 as float32), C float32; products exact in float64, the sum rounded
+    once to float32. (The GPU's tensor cores cut products to the accumulator's ulp instead:
+    within an ulp of one product a step, warp.mma_reference says.)"""
+    return (np.asarray(a, np.float64) @ np.asarray(b_t, np.float64).T
+            + np.asarray(c, np.float64)).astype(np.float32)
+
+
+def _check_shape(n):
+    if n % 8 or not 8 <= n <= 256:
+        raise TypeError(f"wgmma m64nNk16: N = {n}, a multiple of 8 from 8 to 256 expected "
+                        "(an accumulator of N / 2 float32)")
+
+
+if SIMULATOR:
+    def shared_address(words):
+        """The shared-state-space address of a shared array's first element (the
+        simulator's arrays start at 0, 16-byte aligned)."""
+        return 0
+
+    def descriptor(words, index, lbo, sbo):
+        """The matrix descriptor of the operand whose first core matrix starts at
+        words[index] (a shared uint32 array; 16-byte aligned on the GPU)."""
+        return (words, int(index) * 4, int(lbo), int(sbo))
+
+    def accumulator(n):
+        """N / 2 float32 zeros (n a literal): the accumulator of an m64nNk16."""
+        _check_shape(2 * n)
+        return (np.float32(0),) * n
+
+    def fence_proxy_async():
+        pass
+
+    def wgmma_fence():
+        pass
+
+    def wgmma_commit():
+        pass
+
+    def wgmma_wait(n):
+        pass
+
+    @device_function
+    def _thread():
+        """This thread's index in its warpgroup."""
+        return cuda.threadIdx.x % WARPGROUP
+
+    def _element(desc, row, k, dtype):
+        words, start, lbo, sbo = desc
+        at = start + operand_offset(row, k, lbo, sbo)
+        word = int(words[at // 4]) & 0xFFFFFFFF
+        return bits_value(word >> 16 if at % 4 else word & 0xFFFF, dtype)
+
+    def _mma_async(dtype, desc_a, desc_b, acc):
+        n = 2 * len(acc)
+        _check_shape(n)
+        for _, start, _, _ in (desc_a, desc_b):
+            if start % 16:
+                raise ValueError(f"wgmma: an operand's start {start} is not 16-byte aligned")
+        t = _thread()
+        w, g, q = t // 32, t % 32 // 4, t % 4
+        rows = [16 * w + g, 16 * w + g + 8]
+        a = [[_element(desc_a, r, k, dtype) for k in range(16)] for r in rows]
+        out = []
+        for j in range(n // 8):
+            cols = [[_element(desc_b, 8 * j + 2 * q + c, k, dtype) for k in range(16)]
+                    for c in range(2)]
+            for half in range(2):
+                for c in range(2):
+                    s = sum(float(x) * float(y) for x, y in zip(a[half], cols[c]))
+                    out.append(np.float32(s + float(acc[4 * j + 2 * half + c])))
+        return tuple(out)
+
+    def mma_async_f16(desc_a, desc_b, acc):
+        """acc + A B for one m64nNk16 of float16 operands (N = 2 len(acc))."""
+        return _mma_async("float16", desc_a, desc_b, acc)
+
+    def mma_async_bf16(desc_a, desc_b, acc):
+        """acc + A B for one m64nNk16 of bfloat16 operands (N = 2 len(acc))."""
+        return _mma_async("bfloat16", desc_a, desc_b, acc)
+
+else:
+    from llvmlite import ir
+    from numba.core import types
+    from numba.core.extending import intrinsic
+
+    I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+    def _asm(builder, ret, text, constraints, args):
+        fn = ir.FunctionType(ret, [a.type for a in args])
+        return builder.call(ir.InlineAsm(fn, text, constraints, side_effect=True), args)
+
+    def _shared_base(context, builder, array_type, array):
+        data = context.make_array(array_type)(context, builder, array).data
+        shared = builder.addrspacecast(data, ir.PointerType(data.type.pointee, 3))
+        return builder.trunc(builder.ptrtoint(shared, I64), I32)
+
+    @intrinsic
+    def shared_address(typingctx, words):
+        """The 32-bit shared-state-space address of a shared array's first element."""
+        def codegen(context, builder, signature, args):
+            return _shared_base(context, builder, signature.args[0], args[0])
+
+        return types.uint32(words), codegen
+
+    @intrinsic
+    def descriptor(typingctx, words, index, lbo, sbo):
+        """The 64-bit matrix descriptor (no swizzle) of the operand whose first core matrix
+        starts at words[index]: bits 0-13 its address / 16, 16-29 LBO / 16, 32-45 SBO / 16."""
+        def codegen(context, builder, signature, args):
+            at = builder.add(_shared_base(context, builder, signature.args[0], args[0]),
+                             builder.shl(builder.trunc(context.cast(
+                                 builder, args[1], signature.args[1], types.int64), I32),
+                                 ir.Constant(I32, 2)))
+            fields = [at] + [builder.trunc(context.cast(builder, v, ty, types.int64), I32)
+                             for v, ty in zip(args[2:], signature.args[2:])]
+            out = ir.Constant(I64, 0)
+            for field, shift in zip(fields, (0, 16, 32)):
+                f = builder.and_(builder.lshr(builder.zext(field, I64), ir.Constant(I64, 4)),
+                                 ir.Constant(I64, 0x3FFF))
+                out = builder.or_(out, builder.shl(f, ir.Constant(I64, shift)))
+            return out
+
+        return types.uint64(words, index, lbo, sbo), codegen
+
+    @intrinsic
+    def accumulator(typingctx, n):
+        """N / 2 float32 zeros (n a literal): the accumulator of an m64nNk16."""
+        if not isinstance(n, types.IntegerLiteral):
+            return None
+        _check_shape(2 * n.literal_value)
+        sig = types.UniTuple(types.float32, n.literal_value)(n)
+
+        def codegen(context, builder, signature, args):
+            return context.make_tuple(builder, signature.return_type,
+                                      [ir.Constant(F32, 0.0)] * n.literal_value)
+
+        return sig, codegen
+
+    def _statement(text, doc):
+        @intrinsic
+        def emit(typingctx):
+            def codegen(context, builder, signature, args):
+                _asm(builder, ir.VoidType(), text, "~{memory}", [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        emit.__doc__ = doc
+        return emit
+
+    fence_proxy_async = _statement("fence.proxy.async.shared::cta;",
+                                   "Shared stores so far are visible to the async proxy.")
+    wgmma_fence = _statement("wgmma.fence.sync.aligned;",
+                             "Registers written so far are ready for wgmma.")
+    wgmma_commit = _statement("wgmma.commit_group.sync.aligned;",
+                              "The products issued since the last commit form a group.")
+
+    @intrinsic
+    def wgmma_wait(typingctx, n):
+        """Wait until at most n (a literal) groups of products are pending."""
+        if not isinstance(n, types.IntegerLiteral):
+            return None
+
+        def codegen(context, builder, signature, args):
+            _asm(builder, ir.VoidType(), f"wgmma.wait_group.sync.aligned {n.literal_value};",
+                 "~{memory}", [])
+            return context.get_dummy_value()
+
+        return types.void(n), codegen
+
+    def _make_mma_async(kind):
+        @intrinsic
+        def mma_async(typingctx, desc_a, desc_b, acc):
+            if not isinstance(acc, types.UniTuple) or acc.dtype != types.float32:
+                return None
+            r = acc.count
+            _check_shape(2 * r)
+            outs = ",".join(f"${i}" for i in range(r))
+            # scale-d is a predicate: p = (1 != 0), D accumulates
+            text = (f"{{ .reg .pred p; setp.ne.b32 p, ${r + 2}, 0;\n"
+                    f"wgmma.mma_async.sync.aligned.m64n{2 * r}k16.f32.{kind}.{kind} "
+                    f"{{{outs}}}, ${r}, ${r + 1}, p, 1, 1, 0, 0; }}")
+            constraints = ",".join(["=f"] * r + ["l", "l", "r"] + [str(i) for i in range(r)])
+
+            def codegen(context, builder, signature, args):
+                ins = [context.cast(builder, v, ty, types.uint64)
+                       for v, ty in zip(args[:2], signature.args[:2])]
+                ins += [ir.Constant(I32, 1)] + [builder.extract_value(args[2], i)
+                                                 for i in range(r)]
+                res = _asm(builder, ir.LiteralStructType([F32] * r), text, constraints, ins)
+                return context.make_tuple(builder, signature.return_type,
+                                          [builder.extract_value(res, i) for i in range(r)])
+
+            return acc(desc_a, desc_b, acc), codegen
+
+        return mma_async
+
+    mma_async_f16 = _make_mma_async("f16")
+    mma_async_bf16 = _make_mma_async("bf16")

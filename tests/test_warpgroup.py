@@ -1,0 +1,185 @@
+"""warpgroup.py: Hopper's wgmma from Python. The layouts (operand_image, accumulator_matrix)
+are checked against their definitions, the simulator's product against NumPy through a kernel
+that runs unchanged on the H200 (test_gpu.py's twin below), and the kernel assembles for
+sm_90a."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from numba_kernels import warpgroup
+from numba_kernels.convert import SIMULATOR, uint32
+from numba_kernels.warp import bits_value
+
+LBO = 128  # the two core matrices along K of a step: 128 bytes apart
+
+
+def make_chain(n, steps, dtype):
+    """A 128-thread kernel: A (64, 16 steps) and B^T (n, 16 steps), as operand_image lays
+    them out, copied to shared memory; `steps` wgmma m64nNk16 on one accumulator; each
+    thread's accumulator to out[t]."""
+    a_words, b_words, sbo = 64 * 8 * steps, n * 8 * steps, 256 * steps
+    words_size = a_words + b_words + 4  # and room to align to 16 bytes
+    floats = n // 2  # the accumulator's
+    mma = warpgroup.mma_async_f16 if dtype == "float16" else warpgroup.mma_async_bf16
+
+    @cuda.jit
+    def chain(image_a, image_b, out):
+        words = cuda.shared.array(words_size, uint32)
+        t = cuda.threadIdx.x
+        pad = (16 - warpgroup.shared_address(words) % 16) % 16 // 4  # 16-byte aligned
+        for i in range(t, a_words, 128):
+            words[pad + i] = image_a[i]
+        for i in range(t, b_words, 128):
+            words[pad + a_words + i] = image_b[i]
+        warpgroup.fence_proxy_async()
+        cuda.syncthreads()
+        acc = warpgroup.accumulator(floats)
+        warpgroup.wgmma_fence()
+        for s in range(steps):
+            acc = mma(warpgroup.descriptor(words, pad + s * 2 * LBO // 4, LBO, sbo),
+                      warpgroup.descriptor(words, pad + a_words + s * 2 * LBO // 4, LBO, sbo),
+                      acc)
+        warpgroup.wgmma_commit()
+        warpgroup.wgmma_wait(0)
+        for i in range(floats):
+            out[t, i] = acc[i]
+
+    return chain, sbo
+
+
+def operands(n, steps, dtype, seed=0):
+    """Random A (64, 16 steps) and B^T (n, 16 steps) as 16-bit patterns, and as float64."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((64, 16 * steps)).astype(np.float32)
+    b_t = rng.standard_normal((n, 16 * steps)).astype(np.float32)
+    if dtype == "float16":
+        bits = [x.astype(np.float16).view(np.uint16) for x in (a, b_t)]
+    else:  # bfloat16: the top 16 bits of float32, rounded to nearest even
+        bits = [((x.view(np.uint32) + 0x7FFF + (x.view(np.uint32) >> 16 & 1)) >> 16)
+                .astype(np.uint16) for x in (a, b_t)]
+    values = [np.vectorize(lambda v: float(bits_value(int(v), dtype)))(x) for x in bits]
+    return bits, values
+
+
+def run_chain(n, steps, dtype):
+    """(the kernel's D, the simulator's rule's D: each step's sum rounded once)."""
+    chain, sbo = make_chain(n, steps, dtype)
+    (a_bits, b_bits), (a, b_t) = operands(n, steps, dtype)
+    out = np.zeros((128, n // 2), np.float32)
+    chain[1, 128](warpgroup.operand_image(a_bits, LBO, sbo),
+                  warpgroup.operand_image(b_bits, LBO, sbo), out)
+    want = np.zeros((64, n), np.float32)
+    for s in range(steps):
+        cut = slice(16 * s, 16 * s + 16)
+        want = warpgroup.product_reference(a[:, cut], b_t[:, cut], want)
+    return warpgroup.accumulator_matrix(out), want
+
+
+def test_operand_image_puts_each_element_where_the_descriptor_reads_it():
+    rows, steps, sbo = 16, 2, 512
+    m = np.arange(rows * 16 * steps, dtype=np.uint16).reshape(rows, 16 * steps)
+    image = warpgroup.operand_image(m, LBO, sbo).view(np.uint16)
+    for r in (0, 7, 8, 15):
+        for k in (0, 7, 8, 15, 16, 31):
+            s, kk = divmod(k, 16)
+            at = s * 2 * LBO + warpgroup.operand_offset(r, kk, LBO, sbo)
+            assert image[at // 2] == m[r, k]
+    # a core matrix: 8 rows of 16 bytes, rows contiguous
+    assert [warpgroup.operand_offset(r, 0, LBO, sbo) for r in range(3)] == [0, 16, 32]
+    assert warpgroup.operand_offset(8, 0, LBO, sbo) == sbo
+    assert warpgroup.operand_offset(0, 8, LBO, sbo) == LBO
+
+
+def test_accumulator_matrix_follows_the_fragment_table():
+    frags = np.arange(128 * 8, dtype=np.float32).reshape(128, 8)  # N = 16
+    d = warpgroup.accumulator_matrix(frags)
+    t = 32 * 2 + 4 * 3 + 1  # w = 2, g = 3, q = 1
+    assert d[16 * 2 + 3, 2] == frags[t, 0] and d[16 * 2 + 3, 3] == frags[t, 1]
+    assert d[16 * 2 + 3 + 8, 2] == frags[t, 2] and d[16 * 2 + 3, 8 + 3] == frags[t, 5]
+    assert d[16 * 2 + 3 + 8, 8 + 3] == frags[t, 7]
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's wgmma")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_simulators_wgmma_is_a_b_plus_d(dtype):
+    got, want = run_chain(16, 2, dtype)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's wgmma")
+def test_a_wrong_fragment_layout_is_caught():
+    """The check above can fail: a transposed accumulator (the mistake a kernel makes that
+    reads d[4 j + 1] as row g + 8) does not pass."""
+    got, want = run_chain(16, 1, "float16")
+    frags = np.zeros((128, 8), np.float32)
+    for t in range(128):  # re-read with rows and the two columns of a pair swapped
+        w, g, q = t // 32, t % 32 // 4, t % 4
+        for j in range(2):
+            frags[t, 4 * j:4 * j + 4] = (got[16 * w + g, 8 * j + 2 * q],
+                                         got[16 * w + g + 8, 8 * j + 2 * q],
+                                         got[16 * w + g, 8 * j + 2 * q + 1],
+                                         got[16 * w + g + 8, 8 * j + 2 * q + 1])
+    assert not np.array_equal(warpgroup.accumulator_matrix(frags), want)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's alignment check")
+def test_an_unaligned_operand_is_refused():
+    words = np.zeros(64, np.uint32)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        warpgroup.mma_async_f16(warpgroup.descriptor(words, 1, LBO, 256),
+                                warpgroup.descriptor(words, 0, LBO, 256),
+                                warpgroup.accumulator(4))
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's shape check")
+def test_a_shape_outside_m64nNk16_is_refused():
+    with pytest.raises(TypeError, match="multiple of 8 from 8 to 256"):
+        warpgroup.accumulator(3)
+
+
+
+ASSEMBLE = """
+import sys
+from numba import cuda, types
+from numba_kernels.numba_internals import compiling_for
+from numba_kernels.ptx_report import ptxas_figures
+import test_warpgroup as T
+chain, _ = T.make_chain(128, 2, sys.argv[1])
+arr = types.Array(types.uint32, 1, "C")
+with compiling_for((9, 0)):
+    ptx, _ = cuda.compile_ptx(chain.py_func, (arr, arr, types.Array(types.float32, 2, "C")),
+                              cc=(9, 0, "a"))
+print(ptx.count("wgmma.mma_async"), ptxas_figures(ptx, (9, "0a")))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_kernel_assembles_for_sm_90a(dtype):
+    """The same kernel source compiles for the GPU (sm_90a: wgmma exists only there) and
+    ptxas takes it, m64n128k16, without spills."""
+    pytest.importorskip("cuda.bindings", reason="needs the ptx extra (numba-cuda[cu13] and ptxas)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
+               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
+    run = subprocess.run([sys.executable, "-c", ASSEMBLE, dtype], capture_output=True,
+                         text=True, env=env, cwd=root, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    count, figures = run.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert int(count) == 2, run.stdout  # one product a step
+    assert "'spill_stores': 0" in figures and "'stack_frame': 0" in figures, figures
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR, reason="a GPU test (pytest -m gpu on a GPU machine)")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_wgmma_on_the_gpu_is_a_b_plus_d_in_the_documented_layouts(dtype):
+    """On the H200: m64n128k16, four steps on one accumulator, against NumPy; the tensor
+    cores cut products to the accumulator's ulp, so a few ulps of the sums apart, where a
+    wrong operand or accumulator layout is off by the values themselves."""
+    got, want = run_chain(128, 4, dtype)
+    err = float(np.abs(got - want).max())
+    assert err <= 1e-5 * float(np.abs(want).max()) * 16, err
