@@ -1,0 +1,196 @@
+"""Hopper's asynchronous bulk copies and the transaction barriers that say when they landed
+(sm_90a), from Python: on the GPU each is one inline-PTX instruction (a Numba @intrinsic), in
+the simulator Python with the same semantics, as warp.py and warpgroup.py do. Nothing here is
+used by a shipped kernel yet (issue 38); tests/test_tma.py runs a producer warp filling a ring
+of stages for 128 consumer threads, the shape of FlashAttention-3's K and V loads.
+
+A barrier (mbarrier) is a 64-bit word in shared memory, an element of a shared uint64 array.
+barrier_init(bars, i, count) (one thread, then a block barrier before any other use) expects
+`count` arrivals a phase. A phase completes when all its arrivals have come and every byte
+announced for it (arrive_expect_tx) has landed; the barrier then starts the next phase, whose
+parity is the other. wait(bars, i, parity) returns once the phase of that parity has
+completed: a consumer of stage s waits with parity (round // 1) & 1 of its use of s.
+
+bulk_copy(words, at, src, index, n_bytes, bars, i): one thread copies n_bytes (a multiple of
+16; both ends 16-byte aligned) from src's flat element `index` to words[at] (a shared uint32
+array) without registers, and counts them against barrier i's transaction bytes when they land.
+The copy is done by the async proxy: the shared words it overwrites must not be read by an
+earlier ordinary load still in flight, which a consumer's arrive on an "empty" barrier, waited
+for by the producer, rules out.
+
+The simulator copies at once and counts the bytes as landed then; it keeps each barrier's
+state beside the array (keyed by the array and index), not in the word, and a wait that
+nothing completes ends in an error after WAIT_TIMEOUT_S instead of hanging.
+"""
+import threading
+
+import numpy as np
+
+from .convert import SIMULATOR, device_function
+
+WAIT_TIMEOUT_S = 120
+BULK_ALIGN = 16  # bytes: a bulk copy's size, source and destination
+
+
+def check_bulk(n_bytes):
+    """A bulk copy's size: a positive multiple of 16 bytes."""
+    if n_bytes <= 0 or n_bytes % BULK_ALIGN:
+        raise ValueError(f"bulk_copy: n_bytes {n_bytes}, a positive multiple of 16 expected")
+
+
+if SIMULATOR:
+    _states, _states_lock = {}, threading.Lock()
+
+    class _Barrier:
+        """One mbarrier: arrivals still expected this phase, bytes announced and not landed,
+        the phase's parity."""
+
+        def __init__(self, count):
+            self.count, self.pending, self.tx, self.phase = count, count, 0, 0
+            self.changed = threading.Condition()
+
+        def _complete_if_done(self):
+            if self.pending == 0 and self.tx == 0:
+                self.pending, self.phase = self.count, 1 - self.phase
+                self.changed.notify_all()
+
+        def arrive(self, tx_bytes=0):
+            with self.changed:
+                if self.pending == 0:
+                    raise RuntimeError("mbarrier: more arrivals than its count this phase")
+                self.tx += tx_bytes
+                self.pending -= 1
+                self._complete_if_done()
+
+        def landed(self, n_bytes):
+            with self.changed:
+                self.tx -= n_bytes
+                self._complete_if_done()
+
+        def wait(self, parity):
+            with self.changed:
+                if not self.changed.wait_for(lambda: self.phase != parity, WAIT_TIMEOUT_S):
+                    raise RuntimeError(f"mbarrier: phase of parity {parity} never completed "
+                                       f"({self.pending} arrivals and {self.tx} bytes missing)")
+
+    def _barrier(bars, i):
+        with _states_lock:
+            state = _states.get((id(bars), int(i)))
+        if state is None:
+            raise RuntimeError(f"mbarrier {i} used before barrier_init")
+        return state
+
+    def barrier_init(bars, i, count):
+        with _states_lock:
+            _states[(id(bars), int(i))] = _Barrier(int(count))
+
+    def arrive(bars, i):
+        _barrier(bars, i).arrive()
+
+    def arrive_expect_tx(bars, i, n_bytes):
+        _barrier(bars, i).arrive(int(n_bytes))
+
+    def wait(bars, i, parity):
+        _barrier(bars, i).wait(int(parity))
+
+    def bulk_copy(words, at, src, index, n_bytes, bars, i):
+        check_bulk(n_bytes)
+        flat = np.asarray(src).reshape(-1)
+        start = int(index) * flat.itemsize
+        if int(at) * 4 % BULK_ALIGN or start % BULK_ALIGN:
+            raise ValueError("bulk_copy: source and destination must be 16-byte aligned")
+        data = flat.view(np.uint8)[start:start + n_bytes].view(np.uint32)
+        words[int(at):int(at) + n_bytes // 4] = data
+        _barrier(bars, i).landed(int(n_bytes))
+
+else:
+    from llvmlite import ir
+    from numba.core import types
+    from numba.core.extending import intrinsic
+
+    I32, I64 = ir.IntType(32), ir.IntType(64)
+
+    def _asm(builder, ret, text, constraints, args):
+        fn = ir.FunctionType(ret, [a.type for a in args])
+        return builder.call(ir.InlineAsm(fn, text, constraints, side_effect=True), args)
+
+    def _shared_at(context, builder, array_type, array, index_type, index):
+        """The 32-bit shared-state-space address of array[index]."""
+        data = context.make_array(array_type)(context, builder, array).data
+        at = builder.gep(data, [context.cast(builder, index, index_type, types.intp)])
+        shared = builder.addrspacecast(at, ir.PointerType(at.type.pointee, 3))
+        return builder.trunc(builder.ptrtoint(shared, I64), I32)
+
+    def _u32(context, builder, ty, value):
+        return context.cast(builder, value, ty, types.uint32)
+
+    @intrinsic
+    def barrier_init(typingctx, bars, i, count):
+        """Barrier i expects `count` arrivals a phase (one thread; a block barrier after)."""
+        def codegen(context, builder, sig, args):
+            at = _shared_at(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            _asm(builder, ir.VoidType(), "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}",
+                 [at, _u32(context, builder, sig.args[2], args[2])])
+            return context.get_dummy_value()
+
+        return types.void(bars, i, count), codegen
+
+    @intrinsic
+    def arrive(typingctx, bars, i):
+        """This thread's arrival at barrier i."""
+        def codegen(context, builder, sig, args):
+            at = _shared_at(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            _asm(builder, ir.VoidType(), "mbarrier.arrive.shared::cta.b64 _, [$0];",
+                 "r,~{memory}", [at])
+            return context.get_dummy_value()
+
+        return types.void(bars, i), codegen
+
+    @intrinsic
+    def arrive_expect_tx(typingctx, bars, i, n_bytes):
+        """This thread's arrival at barrier i, announcing n_bytes more to land this phase."""
+        def codegen(context, builder, sig, args):
+            at = _shared_at(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            _asm(builder, ir.VoidType(),
+                 "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}",
+                 [at, _u32(context, builder, sig.args[2], args[2])])
+            return context.get_dummy_value()
+
+        return types.void(bars, i, n_bytes), codegen
+
+    @intrinsic
+    def try_wait(typingctx, bars, i, parity):
+        """1 if barrier i's phase of this parity has completed (the hardware may wait a
+        while first), else 0."""
+        def codegen(context, builder, sig, args):
+            at = _shared_at(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            text = ("{ .reg .pred done; "
+                    "mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2; "
+                    "selp.u32 $0, 1, 0, done; }")
+            return _asm(builder, I32, text, "=r,r,r,~{memory}",
+                        [at, _u32(context, builder, sig.args[2], args[2])])
+
+        return types.uint32(bars, i, parity), codegen
+
+    @device_function
+    def wait(bars, i, parity):
+        """Return once barrier i's phase of this parity has completed."""
+        while try_wait(bars, i, parity) == 0:
+            pass
+
+    @intrinsic
+    def bulk_copy(typingctx, words, at, src, index, n_bytes, bars, i):
+        """n_bytes from src's flat element `index` to words[at], landing on barrier i."""
+        def codegen(context, builder, sig, args):
+            dst = _shared_at(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            data = context.make_array(sig.args[2])(context, builder, args[2]).data
+            src_at = builder.ptrtoint(builder.gep(data, [context.cast(
+                builder, args[3], sig.args[3], types.intp)]), I64)
+            bar = _shared_at(context, builder, sig.args[5], args[5], sig.args[6], args[6])
+            _asm(builder, ir.VoidType(),
+                 "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                 "[$0], [$1], $2, [$3];", "r,l,r,r,~{memory}",
+                 [dst, src_at, _u32(context, builder, sig.args[4], args[4]), bar])
+            return context.get_dummy_value()
+
+        return types.void(words, at, src, index, n_bytes, bars, i), codegen
