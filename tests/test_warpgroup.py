@@ -164,7 +164,8 @@ def test_the_kernel_assembles_for_sm_90a(dtype):
     pytest.importorskip("cuda.bindings", reason="needs the ptx extra (numba-cuda[cu13] and ptxas)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
-               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]))
+               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests"),
+                                           os.environ.get("PYTHONPATH", "")]))
     run = subprocess.run([sys.executable, "-c", ASSEMBLE, dtype], capture_output=True,
                          text=True, env=env, cwd=root, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
