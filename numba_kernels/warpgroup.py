@@ -10,10 +10,15 @@ it is in warp w = t // 32, lane 4 g + q.
 
 wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16}: D (64 x N) = A (64 x 16)
 B (16 x N) + D, float32 accumulators, N a multiple of 8 from 8 to 256. A and B are in shared
-memory, "K-major" without swizzle: each is a grid of core matrices of 8 rows by 16 bytes
-(eight 16-bit values along K), a core matrix's rows 16 bytes apart; core matrices adjacent
-along K are LBO bytes apart, along the rows (M for A, N for B, whose rows are B's columns)
-SBO bytes apart (operand_offset). A descriptor names the first core matrix, 16-byte aligned.
+memory, "K-major" (a row of A, or a column of B, along K), in one of two layouts
+(operand_address):
+- no swizzle: a grid of core matrices of 8 rows by 16 bytes (eight 16-bit values along K), a
+  core matrix's rows 16 bytes apart; core matrices adjacent along K are LBO bytes apart, along
+  the rows (M for A, N for B) SBO bytes apart; the descriptor's start 16-byte aligned;
+- 128-byte swizzle (SWIZZLE): rows of 64 values (128 bytes), groups of 8 rows SBO bytes
+  apart (1024: the row-major tile TMA writes), the 16-byte chunk c of row r stored at chunk
+  c ^ (r % 8): the shared address's bits 4-6 XORed with its bits 7-9, so the tile must start
+  1024-byte aligned. Step s of K (values 16 s ..) starts 32 s bytes in (step_start).
 
 Accumulator of thread t, N / 2 floats, like mma.sync's C fragment per warp:
 
@@ -40,28 +45,40 @@ WARPGROUP = 128
 CORE_ROWS, CORE_BYTES = 8, 16  # a core matrix: 8 rows of 16 bytes (8 16-bit values)
 
 
-def operand_offset(row, k, lbo, sbo):
-    """Byte offset, from the descriptor's start, of element (row, k) of a K-major operand
-    without swizzle (row: A's m, or B's n; k: 0..15), 16-bit elements."""
-    return ((row // CORE_ROWS) * sbo + (k // 8) * lbo + (row % CORE_ROWS) * CORE_BYTES
-            + (k % 8) * 2)
+SWIZZLE = 128  # the swizzled layout's row, in bytes
 
 
-def operand_image(matrix, lbo, sbo):
-    """A (rows, 16 s) array of 16-bit values -> the uint32 words of shared memory that hold
-    it, K-major without swizzle, step s (16 values of K) at s * 2 * lbo bytes: the layout the
-    descriptor of step s, at byte s * 2 * lbo, reads (two core matrices along K a step)."""
+def operand_address(start, row, k, lbo, sbo, swizzle):
+    """The shared byte address of element (row, k) of the operand a descriptor starting at
+    `start` names (row: A's m or B's n; k: 0..15; 16-bit values); swizzle 0 or SWIZZLE."""
+    if swizzle == 0:
+        return (start + (row // CORE_ROWS) * sbo + (k // 8) * lbo + (row % CORE_ROWS) * CORE_BYTES
+                + (k % 8) * 2)
+    at = start + (row // CORE_ROWS) * sbo + (row % CORE_ROWS) * SWIZZLE + k * 2
+    return at ^ ((at >> 7) & 7) << 4
+
+
+def step_start(s, lbo, swizzle):
+    """Where step s of K (values 16 s .. 16 s + 15) starts, from the operand's start: two core
+    matrices along K a step without swizzle, 32 bytes of each 128-byte row with it."""
+    return s * 2 * lbo if swizzle == 0 else s * 32
+
+
+def operand_image(matrix, lbo, sbo, swizzle=0):
+    """A (rows, 16 steps) array of 16-bit values -> the uint32 words of shared memory that
+    hold it, from a 1024-byte aligned start, in the layout operand_address reads step by step
+    (with the swizzle: K of 64 values, one 128-byte row)."""
     bits = np.ascontiguousarray(matrix).view(np.uint16)
     rows, ks = bits.shape
-    if ks % 16 or rows % CORE_ROWS or lbo % 16 or sbo % 16:
-        raise ValueError(f"operand_image: rows {rows} (a multiple of 8), K {ks} (of 16), "
-                         f"lbo {lbo} and sbo {sbo} (of 16) expected")
-    size = max(s * 2 * lbo + operand_offset(rows - 1, 15, lbo, sbo) + 2 for s in range(ks // 16))
-    image = np.zeros(-(-size // 4) * 2, np.uint16)
-    for s in range(ks // 16):
-        for r in range(rows):
-            for k in range(16):
-                image[(s * 2 * lbo + operand_offset(r, k, lbo, sbo)) // 2] = bits[r, 16 * s + k]
+    if ks % 16 or rows % CORE_ROWS or lbo % 16 or sbo % 16 or (swizzle and ks != 64):
+        raise ValueError(f"operand_image: rows {rows} (a multiple of 8), K {ks} (of 16; 64 "
+                         f"with the swizzle), lbo {lbo} and sbo {sbo} (of 16) expected")
+    where = {(r, 16 * s + k): operand_address(step_start(s, lbo, swizzle), r, k, lbo, sbo,
+                                              swizzle)
+             for s in range(ks // 16) for r in range(rows) for k in range(16)}
+    image = np.zeros(-(-(max(where.values()) + 2) // 4) * 2, np.uint16)
+    for (r, k), at in where.items():
+        image[at // 2] = bits[r, k]
     return image.view(np.uint32)
 
 
@@ -100,10 +117,10 @@ if SIMULATOR:
         simulator's arrays start at 0, 16-byte aligned)."""
         return 0
 
-    def descriptor(words, index, lbo, sbo):
-        """The matrix descriptor of the operand whose first core matrix starts at
-        words[index] (a shared uint32 array; 16-byte aligned on the GPU)."""
-        return (words, int(index) * 4, int(lbo), int(sbo))
+    def descriptor(words, index, lbo, sbo, swizzle):
+        """The matrix descriptor of the operand that starts at words[index] (a shared uint32
+        array), in the layout `swizzle` (0 or SWIZZLE) names."""
+        return (words, int(index) * 4, int(lbo), int(sbo), int(swizzle))
 
     def accumulator(n):
         """N / 2 float32 zeros (n a literal): the accumulator of an m64nNk16."""
@@ -128,15 +145,15 @@ if SIMULATOR:
         return cuda.threadIdx.x % WARPGROUP
 
     def _element(desc, row, k, dtype):
-        words, start, lbo, sbo = desc
-        at = start + operand_offset(row, k, lbo, sbo)
+        words, start, lbo, sbo, swizzle = desc
+        at = operand_address(start, row, k, lbo, sbo, swizzle)
         word = int(words[at // 4]) & 0xFFFFFFFF
         return bits_value(word >> 16 if at % 4 else word & 0xFFFF, dtype)
 
     def _mma_async(dtype, desc_a, desc_b, acc):
         n = 2 * len(acc)
         _check_shape(n)
-        for _, start, _, _ in (desc_a, desc_b):
+        for _, start, _, _, _ in (desc_a, desc_b):
             if start % 16:
                 raise ValueError(f"wgmma: an operand's start {start} is not 16-byte aligned")
         t = _thread()
@@ -186,24 +203,30 @@ else:
         return types.uint32(words), codegen
 
     @intrinsic
-    def descriptor(typingctx, words, index, lbo, sbo):
-        """The 64-bit matrix descriptor (no swizzle) of the operand whose first core matrix
-        starts at words[index]: bits 0-13 its address / 16, 16-29 LBO / 16, 32-45 SBO / 16."""
+    def descriptor(typingctx, words, index, lbo, sbo, swizzle):
+        """The 64-bit matrix descriptor of the operand that starts at words[index]: bits 0-13
+        its address / 16, 16-29 LBO / 16, 32-45 SBO / 16, 62-63 the layout (1: the 128-byte
+        swizzle; swizzle a literal, 0 or SWIZZLE)."""
+        if not isinstance(swizzle, types.IntegerLiteral) or \
+                swizzle.literal_value not in (0, SWIZZLE):
+            return None
+        mode = 0 if swizzle.literal_value == 0 else 1
+
         def codegen(context, builder, signature, args):
             at = builder.add(_shared_base(context, builder, signature.args[0], args[0]),
                              builder.shl(builder.trunc(context.cast(
                                  builder, args[1], signature.args[1], types.int64), I32),
                                  ir.Constant(I32, 2)))
             fields = [at] + [builder.trunc(context.cast(builder, v, ty, types.int64), I32)
-                             for v, ty in zip(args[2:], signature.args[2:])]
-            out = ir.Constant(I64, 0)
+                             for v, ty in zip(args[2:4], signature.args[2:4])]
+            out = ir.Constant(I64, mode << 62)
             for field, shift in zip(fields, (0, 16, 32)):
                 f = builder.and_(builder.lshr(builder.zext(field, I64), ir.Constant(I64, 4)),
                                  ir.Constant(I64, 0x3FFF))
                 out = builder.or_(out, builder.shl(f, ir.Constant(I64, shift)))
             return out
 
-        return types.uint64(words, index, lbo, sbo), codegen
+        return types.uint64(words, index, lbo, sbo, swizzle), codegen
 
     @intrinsic
     def accumulator(typingctx, n):

@@ -17,20 +17,22 @@ from numba_kernels.warp import bits_value
 LBO = 128  # the two core matrices along K of a step: 128 bytes apart
 
 
-def make_chain(n, steps, dtype):
+def make_chain(n, steps, dtype, swizzle=0):
     """A 128-thread kernel: A (64, 16 steps) and B^T (n, 16 steps), as operand_image lays
-    them out, copied to shared memory; `steps` wgmma m64nNk16 on one accumulator; each
-    thread's accumulator to out[t]."""
-    a_words, b_words, sbo = 64 * 8 * steps, n * 8 * steps, 256 * steps
-    words_size = a_words + b_words + 4  # and room to align to 16 bytes
+    them out (swizzled: steps = 4, rows of 128 bytes), copied to shared memory 1024-byte
+    aligned; `steps` wgmma m64nNk16 on one accumulator, step s's operands from word starts[s]
+    of each (step_start); each thread's accumulator to out[t]. Returns (kernel, lbo, sbo)."""
+    a_words, b_words = 64 * 8 * steps, n * 8 * steps
+    lbo, sbo = (LBO, 256 * steps) if swizzle == 0 else (16, 1024)
+    words_size = a_words + b_words + 256  # and room to align to 1024 bytes
     floats = n // 2  # the accumulator's
     mma = warpgroup.mma_async_f16 if dtype == "float16" else warpgroup.mma_async_bf16
 
     @cuda.jit
-    def chain(image_a, image_b, out):
+    def chain(image_a, image_b, starts, out):
         words = cuda.shared.array(words_size, uint32)
         t = cuda.threadIdx.x
-        pad = (16 - warpgroup.shared_address(words) % 16) % 16 // 4  # 16-byte aligned
+        pad = (1024 - warpgroup.shared_address(words) % 1024) % 1024 // 4
         for i in range(t, a_words, 128):
             words[pad + i] = image_a[i]
         for i in range(t, b_words, 128):
@@ -40,15 +42,15 @@ def make_chain(n, steps, dtype):
         acc = warpgroup.accumulator(floats)
         warpgroup.wgmma_fence()
         for s in range(steps):
-            acc = mma(warpgroup.descriptor(words, pad + s * 2 * LBO // 4, LBO, sbo),
-                      warpgroup.descriptor(words, pad + a_words + s * 2 * LBO // 4, LBO, sbo),
-                      acc)
+            at = starts[s]
+            acc = mma(warpgroup.descriptor(words, pad + at, lbo, sbo, swizzle),
+                      warpgroup.descriptor(words, pad + a_words + at, lbo, sbo, swizzle), acc)
         warpgroup.wgmma_commit()
         warpgroup.wgmma_wait(0)
         for i in range(floats):
             out[t, i] = acc[i]
 
-    return chain, sbo
+    return chain, lbo, sbo
 
 
 def operands(n, steps, dtype, seed=0):
@@ -65,13 +67,14 @@ def operands(n, steps, dtype, seed=0):
     return bits, values
 
 
-def run_chain(n, steps, dtype):
+def run_chain(n, steps, dtype, swizzle=0):
     """(the kernel's D, the simulator's rule's D: each step's sum rounded once)."""
-    chain, sbo = make_chain(n, steps, dtype)
+    chain, lbo, sbo = make_chain(n, steps, dtype, swizzle)
     (a_bits, b_bits), (a, b_t) = operands(n, steps, dtype)
     out = np.zeros((128, n // 2), np.float32)
-    chain[1, 128](warpgroup.operand_image(a_bits, LBO, sbo),
-                  warpgroup.operand_image(b_bits, LBO, sbo), out)
+    starts = np.array([warpgroup.step_start(s, lbo, swizzle) // 4 for s in range(steps)])
+    chain[1, 128](warpgroup.operand_image(a_bits, lbo, sbo, swizzle),
+                  warpgroup.operand_image(b_bits, lbo, sbo, swizzle), starts, out)
     want = np.zeros((64, n), np.float32)
     for s in range(steps):
         cut = slice(16 * s, 16 * s + 16)
@@ -86,12 +89,23 @@ def test_operand_image_puts_each_element_where_the_descriptor_reads_it():
     for r in (0, 7, 8, 15):
         for k in (0, 7, 8, 15, 16, 31):
             s, kk = divmod(k, 16)
-            at = s * 2 * LBO + warpgroup.operand_offset(r, kk, LBO, sbo)
+            at = warpgroup.operand_address(warpgroup.step_start(s, LBO, 0), r, kk, LBO, sbo, 0)
             assert image[at // 2] == m[r, k]
     # a core matrix: 8 rows of 16 bytes, rows contiguous
-    assert [warpgroup.operand_offset(r, 0, LBO, sbo) for r in range(3)] == [0, 16, 32]
-    assert warpgroup.operand_offset(8, 0, LBO, sbo) == sbo
-    assert warpgroup.operand_offset(0, 8, LBO, sbo) == LBO
+    assert [warpgroup.operand_address(0, r, 0, LBO, sbo, 0) for r in range(3)] == [0, 16, 32]
+    assert warpgroup.operand_address(0, 8, 0, LBO, sbo, 0) == sbo
+    assert warpgroup.operand_address(0, 0, 8, LBO, sbo, 0) == LBO
+
+
+def test_the_swizzled_image_is_the_row_major_tile_with_chunks_xored_by_row():
+    """The 128-byte swizzle: row r of 64 values at 128 r bytes, its 16-byte chunk c stored at
+    chunk c ^ (r % 8), as TMA writes a tile of 64 columns with CU_TENSOR_MAP_SWIZZLE_128B."""
+    m = np.arange(16 * 64, dtype=np.uint16).reshape(16, 64)
+    image = warpgroup.operand_image(m, 16, 1024, warpgroup.SWIZZLE).view(np.uint16)
+    for r in (0, 1, 7, 8, 13):
+        for c in range(8):
+            chunk = image[r * 64 + 8 * (c ^ r % 8):r * 64 + 8 * (c ^ r % 8) + 8]
+            assert np.array_equal(chunk, m[r, 8 * c:8 * c + 8])
 
 
 def test_accumulator_matrix_follows_the_fragment_table():
@@ -104,9 +118,10 @@ def test_accumulator_matrix_follows_the_fragment_table():
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the simulator's wgmma")
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_the_simulators_wgmma_is_a_b_plus_d(dtype):
-    got, want = run_chain(16, 2, dtype)
+@pytest.mark.parametrize("dtype, steps, swizzle", [("float16", 2, 0), ("bfloat16", 2, 0),
+                                                   ("bfloat16", 4, warpgroup.SWIZZLE)])
+def test_the_simulators_wgmma_is_a_b_plus_d(dtype, steps, swizzle):
+    got, want = run_chain(16, steps, dtype, swizzle)
     assert np.array_equal(got, want)
 
 
@@ -130,8 +145,8 @@ def test_a_wrong_fragment_layout_is_caught():
 def test_an_unaligned_operand_is_refused():
     words = np.zeros(64, np.uint32)
     with pytest.raises(ValueError, match="16-byte aligned"):
-        warpgroup.mma_async_f16(warpgroup.descriptor(words, 1, LBO, 256),
-                                warpgroup.descriptor(words, 0, LBO, 256),
+        warpgroup.mma_async_f16(warpgroup.descriptor(words, 1, LBO, 256, 0),
+                                warpgroup.descriptor(words, 0, LBO, 256, 0),
                                 warpgroup.accumulator(4))
 
 
@@ -148,17 +163,18 @@ from numba import cuda, types
 from numba_kernels.numba_internals import compiling_for
 from numba_kernels.ptx_report import ptxas_figures
 import test_warpgroup as T
-chain, _ = T.make_chain(128, 2, sys.argv[1])
+chain = T.make_chain(128, 4, sys.argv[1], int(sys.argv[2]))[0]
 arr = types.Array(types.uint32, 1, "C")
 with compiling_for((9, 0)):
-    ptx, _ = cuda.compile_ptx(chain.py_func, (arr, arr, types.Array(types.float32, 2, "C")),
+    ptx, _ = cuda.compile_ptx(chain.py_func, (arr, arr, types.Array(types.int64, 1, "C"),
+                                              types.Array(types.float32, 2, "C")),
                               cc=(9, 0, "a"))
 print(ptx.count("wgmma.mma_async"), ptxas_figures(ptx, (9, "0a")))
 """
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_the_kernel_assembles_for_sm_90a(dtype):
+@pytest.mark.parametrize("dtype, swizzle", [("float16", 0), ("bfloat16", warpgroup.SWIZZLE)])
+def test_the_kernel_assembles_for_sm_90a(dtype, swizzle):
     """The same kernel source compiles for the GPU (sm_90a: wgmma exists only there) and
     ptxas takes it, m64n128k16, without spills."""
     pytest.importorskip("cuda.bindings", reason="needs the ptx extra (numba-cuda[cu13] and ptxas)")
@@ -166,21 +182,22 @@ def test_the_kernel_assembles_for_sm_90a(dtype):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
                PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests"),
                                            os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", ASSEMBLE, dtype], capture_output=True,
+    run = subprocess.run([sys.executable, "-c", ASSEMBLE, dtype, str(swizzle)], capture_output=True,
                          text=True, env=env, cwd=root, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     count, figures = run.stdout.strip().splitlines()[-1].split(" ", 1)
-    assert int(count) == 2, run.stdout  # one product a step
+    assert int(count) == 4, run.stdout  # one product a step
     assert "'spill_stores': 0" in figures and "'stack_frame': 0" in figures, figures
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(SIMULATOR, reason="a GPU test (pytest -m gpu on a GPU machine)")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_wgmma_on_the_gpu_is_a_b_plus_d_in_the_documented_layouts(dtype):
+@pytest.mark.parametrize("swizzle", [0, warpgroup.SWIZZLE])
+def test_wgmma_on_the_gpu_is_a_b_plus_d_in_the_documented_layouts(dtype, swizzle):
     """On the H200: m64n128k16, four steps on one accumulator, against NumPy; the tensor
     cores cut products to the accumulator's ulp, so a few ulps of the sums apart, where a
     wrong operand or accumulator layout is off by the values themselves."""
-    got, want = run_chain(128, 4, dtype)
+    got, want = run_chain(128, 4, dtype, swizzle)
     err = float(np.abs(got - want).max())
     assert err <= 1e-5 * float(np.abs(want).max()) * 16, err
