@@ -18,15 +18,25 @@ The copy is done by the async proxy: the shared words it overwrites must not be 
 earlier ordinary load still in flight, which a consumer's arrive on an "empty" barrier, waited
 for by the producer, rules out.
 
+tensor_copy(words, at, tmap, col, row, bars, i): one thread copies a box of a 2-D array of
+16-bit values (TMA), the box's first element at (row, col), into words[at]: box rows of
+box_cols values one after another, elements outside the array as zeros, and with SWIZZLE
+(box_cols = 64: rows of 128 bytes) each row's 16-byte chunks placed as warpgroup.swizzled says,
+the layout wgmma's swizzled descriptors read; the start 1024-byte aligned then, else 128. The
+box's bytes, zeros included, count against barrier i. tmap is what tensor_map made on the host:
+a device array holding the driver's 128-byte CUtensorMap.
+
 The simulator copies at once and counts the bytes as landed then; it keeps each barrier's
 state beside the array (keyed by the array and index), not in the word, and a wait that
 nothing completes ends in an error after WAIT_TIMEOUT_S instead of hanging.
 """
+import itertools
 import threading
 
 import numpy as np
 
 from .convert import SIMULATOR, device_function
+from .warpgroup import SWIZZLE, swizzled
 
 WAIT_TIMEOUT_S = 120
 BULK_ALIGN = 16  # bytes: a bulk copy's size, source and destination
@@ -38,8 +48,34 @@ def check_bulk(n_bytes):
         raise ValueError(f"bulk_copy: n_bytes {n_bytes}, a positive multiple of 16 expected")
 
 
+def check_box(shape, box_rows, box_cols, swizzle):
+    """A tensor map's box: at most 256 by 256, a row of 16 bytes or more, and with SWIZZLE a
+    row of exactly 128 bytes (64 values); the array 2-D."""
+    if len(shape) != 2:
+        raise ValueError(f"tensor_map: a 2-D array expected, got shape {tuple(shape)}")
+    if swizzle not in (0, SWIZZLE):
+        raise ValueError(f"tensor_map: swizzle {swizzle}, 0 or {SWIZZLE} expected")
+    if not (1 <= box_rows <= 256 and 8 <= box_cols <= 256 and box_cols % 8 == 0) or \
+            (swizzle and box_cols != 64):
+        raise ValueError(f"tensor_map: box ({box_rows}, {box_cols}): rows 1..256, columns a "
+                         "multiple of 8 up to 256 (64 with the swizzle) expected")
+
+
+def box_image(array, row, col, box_rows, box_cols, swizzle):
+    """The shared image (uint16) tensor_copy writes of the box at (row, col) of a 2-D array
+    of 16-bit values: NumPy, for the simulator and the tests."""
+    bits = np.asarray(array).view(np.uint16)
+    image = np.zeros(box_rows * box_cols, np.uint16)
+    for r, c in itertools.product(range(box_rows), range(box_cols)):
+        if 0 <= row + r < bits.shape[0] and 0 <= col + c < bits.shape[1]:
+            at = (r * box_cols + c) * 2
+            image[(swizzled(at) if swizzle else at) // 2] = bits[row + r, col + c]
+    return image
+
+
 if SIMULATOR:
     _states, _states_lock = {}, threading.Lock()
+    _maps = {}  # key -> (array, box_rows, box_cols, swizzle): the simulator's tensor maps
 
     class _Barrier:
         """One mbarrier: arrivals still expected this phase, bytes announced and not landed,
@@ -103,8 +139,28 @@ if SIMULATOR:
         words[int(at):int(at) + n_bytes // 4] = data
         _barrier(bars, i).landed(int(n_bytes))
 
+    def tensor_map(array, box_rows, box_cols, swizzle=0):
+        """The simulator's tensor map: 16 words whose first is a key to what it describes."""
+        check_box(array.shape, box_rows, box_cols, swizzle)
+        with _states_lock:
+            key = len(_maps) + 1
+            _maps[key] = (array, box_rows, box_cols, swizzle)
+        out = np.zeros(16, np.uint64)
+        out[0] = key
+        return out
+
+    def tensor_copy(words, at, tmap, col, row, bars, i):
+        array, box_rows, box_cols, swizzle = _maps[int(tmap[0])]
+        if int(at) * 4 % (1024 if swizzle else 128):
+            raise ValueError("tensor_copy: the destination must be 1024-byte aligned with "
+                             "the swizzle, 128 without")
+        image = box_image(array, int(row), int(col), box_rows, box_cols, swizzle)
+        words[int(at):int(at) + image.size // 2] = image.view(np.uint32)
+        _barrier(bars, i).landed(image.size * 2)
+
 else:
     from llvmlite import ir
+    from numba import cuda
     from numba.core import types
     from numba.core.extending import intrinsic
 
@@ -194,3 +250,43 @@ else:
             return context.get_dummy_value()
 
         return types.void(words, at, src, index, n_bytes, bars, i), codegen
+
+    def tensor_map(array, box_rows, box_cols, swizzle=0):
+        """A device array holding the CUtensorMap of a 2-D C-contiguous device array of
+        16-bit values (float16, bfloat16 as int16/uint16) for boxes of box_rows by box_cols,
+        out-of-bounds elements read as zeros."""
+        from cuda.bindings import driver
+
+        check_box(array.shape, box_rows, box_cols, swizzle)
+        rows, cols = array.shape
+        if array.dtype.itemsize != 2 or array.strides[1] != 2:
+            raise ValueError("tensor_map: a C-contiguous array of 16-bit values expected")
+        err, tmap = driver.cuTensorMapEncodeTiled(
+            driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 2,
+            array.__cuda_array_interface__["data"][0], [cols, rows], [array.strides[0]],
+            [box_cols, box_rows], [1, 1], driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle
+            else driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+            driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
+            driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"tensor_map: cuTensorMapEncodeTiled failed: {err}")
+        return cuda.to_device(np.array([int(x) for x in tmap.opaque], np.uint64))
+
+    @intrinsic
+    def tensor_copy(typingctx, words, at, tmap, col, row, bars, i):
+        """The box at (row, col) of tmap's array to words[at], landing on barrier i."""
+        def codegen(context, builder, sig, args):
+            dst = _shared_at(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            data = context.make_array(sig.args[2])(context, builder, args[2]).data
+            bar = _shared_at(context, builder, sig.args[5], args[5], sig.args[6], args[6])
+            coords = [context.cast(builder, v, ty, types.int32)
+                      for v, ty in zip(args[3:5], sig.args[3:5])]
+            _asm(builder, ir.VoidType(),
+                 "cp.async.bulk.tensor.2d.shared::cluster.global.tile"
+                 ".mbarrier::complete_tx::bytes [$0], [$1, {$2, $3}], [$4];",
+                 "r,l,r,r,r,~{memory}",
+                 [dst, builder.ptrtoint(data, I64)] + coords + [bar])
+            return context.get_dummy_value()
+
+        return types.void(words, at, tmap, col, row, bars, i), codegen

@@ -48,14 +48,19 @@ CORE_ROWS, CORE_BYTES = 8, 16  # a core matrix: 8 rows of 16 bytes (8 16-bit val
 SWIZZLE = 128  # the swizzled layout's row, in bytes
 
 
+def swizzled(at):
+    """Where the 128-byte swizzle stores shared byte `at`: its 16-byte chunk (bits 4-6)
+    XORed with its row of 128 bytes within 1024 (bits 7-9)."""
+    return at ^ ((at >> 7) & 7) << 4
+
+
 def operand_address(start, row, k, lbo, sbo, swizzle):
     """The shared byte address of element (row, k) of the operand a descriptor starting at
     `start` names (row: A's m or B's n; k: 0..15; 16-bit values); swizzle 0 or SWIZZLE."""
     if swizzle == 0:
         return (start + (row // CORE_ROWS) * sbo + (k // 8) * lbo + (row % CORE_ROWS) * CORE_BYTES
                 + (k % 8) * 2)
-    at = start + (row // CORE_ROWS) * sbo + (row % CORE_ROWS) * SWIZZLE + k * 2
-    return at ^ ((at >> 7) & 7) << 4
+    return swizzled(start + (row // CORE_ROWS) * sbo + (row % CORE_ROWS) * SWIZZLE + k * 2)
 
 
 def step_start(s, lbo, swizzle):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from numba_kernels import tma
+from numba_kernels import tma, warpgroup
 from numba_kernels.convert import SIMULATOR, uint32, uint64
 
 CONSUMERS, STAGES, TILE = 128, 2, 128  # a tile: 128 float32, one a consumer
@@ -84,15 +84,18 @@ from numba import cuda, types
 from numba_kernels.numba_internals import compiling_for
 from numba_kernels.ptx_report import ptxas_figures
 import test_tma as T
-arr = lambda ty: types.Array(ty, 1, "C")
-with compiling_for((9, 0)):
-    ptx, _ = cuda.compile_ptx(T.make_ring().py_func,
-                              (arr(types.uint32), types.int64, arr(types.uint64)), cc=(9, 0, "a"))
-print(ptx.count("cp.async.bulk"), ptxas_figures(ptx, (9, "0a")))
+u32, u64 = types.Array(types.uint32, 1, "C"), types.Array(types.uint64, 1, "C")
+f32 = types.Array(types.float32, 2, "C")
+for kernel, sig, instruction in ((T.make_ring(), (u32, types.int64, u64), "cp.async.bulk."),
+                                 (T.make_tma_wgmma("bfloat16"), (u64, u64, f32),
+                                  "cp.async.bulk.tensor")):
+    with compiling_for((9, 0)):
+        ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0, "a"))
+    print(ptx.count(instruction), ptxas_figures(ptx, (9, "0a")))
 """
 
 
-def test_the_ring_assembles_for_sm_90a():
+def test_the_kernels_assemble_for_sm_90a():
     pytest.importorskip("cuda.bindings", reason="needs the ptx extra (numba-cuda[cu13] and ptxas)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
@@ -101,8 +104,9 @@ def test_the_ring_assembles_for_sm_90a():
     run = subprocess.run([sys.executable, "-c", ASSEMBLE], capture_output=True, text=True,
                          env=env, cwd=root, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    count, figures = run.stdout.strip().splitlines()[-1].split(" ", 1)
-    assert int(count) == 1 and "'spill_stores': 0" in figures, run.stdout
+    for line, copies in zip(run.stdout.strip().splitlines()[-2:], (1, 2)):
+        count, figures = line.split(" ", 1)
+        assert int(count) == copies and "'spill_stores': 0" in figures, run.stdout
 
 
 @pytest.mark.gpu
@@ -111,3 +115,114 @@ def test_the_ring_assembles_for_sm_90a():
 def test_the_ring_on_the_gpu_delivers_every_tile(tiles):
     got, want = run_ring(tiles)
     assert np.array_equal(got, want)
+
+
+def on_device(x):
+    """What tensor_map describes: a device array on the GPU, the array itself in the
+    simulator."""
+    return x if SIMULATOR else cuda.to_device(x)
+
+
+def make_box_copy(box_words):
+    """128 threads: thread 0 copies one box by TMA to a 1024-byte aligned start; all wait;
+    the shared words go to out."""
+
+    @cuda.jit
+    def box_copy(tmap, row, col, out):
+        words = cuda.shared.array(BOX_ROOM, uint32)
+        bars = cuda.shared.array(1, uint64)
+        t = cuda.threadIdx.x
+        pad = (1024 - warpgroup.shared_address(words) % 1024) % 1024 // 4
+        if t == 0:
+            tma.barrier_init(bars, 0, 1)
+        cuda.syncthreads()
+        if t == 0:
+            tma.arrive_expect_tx(bars, 0, box_words * 4)
+            tma.tensor_copy(words, pad, tmap, col, row, bars, 0)
+        tma.wait(bars, 0, 0)
+        for i in range(t, box_words, 128):
+            out[i] = words[pad + i]
+
+    return box_copy
+
+
+BOX_ROOM = 64 * 64 // 2 + 256
+
+
+@pytest.mark.parametrize("row, col, box, swizzle", [(0, 0, (64, 64), 0), (40, 24, (32, 64), 128),
+                                                    (70, 100, (16, 32), 0), (8, 64, (64, 64), 128)])
+def test_a_tma_box_lands_as_box_image_says(row, col, box, swizzle):
+    """Boxes inside the array and across its edges (zeros there), row-major and swizzled."""
+    array = np.random.default_rng(row).integers(0, 2**16, (80, 120)).astype(np.uint16)
+    box_words = box[0] * box[1] // 2
+    out = np.zeros(box_words, np.uint32)
+    make_box_copy(box_words)[1, 128](tma.tensor_map(on_device(array), *box, swizzle), row,
+                                      col, out)
+    want = tma.box_image(array, row, col, *box, swizzle)
+    assert np.array_equal(out.view(np.uint16), want)
+
+
+def test_box_image_zero_fills_and_swizzles():
+    array = np.arange(16 * 64, dtype=np.uint16).reshape(16, 64)
+    plain = tma.box_image(array, 12, 0, 8, 64, 0).reshape(8, 64)
+    assert np.array_equal(plain[:4], array[12:]) and not plain[4:].any()
+    swz = tma.box_image(array, 0, 0, 8, 64, 128).reshape(8, 8, 8)  # row, chunk, value
+    for r in range(8):
+        for c in range(8):
+            assert np.array_equal(swz[r, c ^ r], array[r, 8 * c:8 * c + 8])
+    with pytest.raises(ValueError, match="64 with the swizzle"):
+        tma.check_box((16, 64), 8, 32, 128)
+
+
+A_WORDS, B_WORDS = 64 * 64 // 2, 128 * 64 // 2  # A (64, 64), B^T (128, 64), 16-bit
+PRODUCT_ROOM = A_WORDS + B_WORDS + 256
+
+
+def make_tma_wgmma(dtype):
+    """FlashAttention-3's inner step in miniature: thread 0 loads A and B^T by TMA, swizzled,
+    onto one barrier; the warpgroup waits and multiplies them from shared memory, four
+    steps of K, by descriptors of the same swizzle; each thread's accumulator to out[t]."""
+    mma = warpgroup.mma_async_f16 if dtype == "float16" else warpgroup.mma_async_bf16
+
+    @cuda.jit
+    def tma_wgmma(map_a, map_b, out):
+        words = cuda.shared.array(PRODUCT_ROOM, uint32)
+        bars = cuda.shared.array(1, uint64)
+        t = cuda.threadIdx.x
+        pad = (1024 - warpgroup.shared_address(words) % 1024) % 1024 // 4
+        if t == 0:
+            tma.barrier_init(bars, 0, 1)
+        cuda.syncthreads()
+        if t == 0:
+            tma.arrive_expect_tx(bars, 0, (A_WORDS + B_WORDS) * 4)
+            tma.tensor_copy(words, pad, map_a, 0, 0, bars, 0)
+            tma.tensor_copy(words, pad + A_WORDS, map_b, 0, 0, bars, 0)
+        tma.wait(bars, 0, 0)
+        acc = warpgroup.accumulator(64)
+        warpgroup.wgmma_fence()
+        for s in range(4):  # step_start: 32 bytes, 8 words, a step
+            acc = mma(warpgroup.descriptor(words, pad + 8 * s, 16, 1024, 128),
+                      warpgroup.descriptor(words, pad + A_WORDS + 8 * s, 16, 1024, 128), acc)
+        warpgroup.wgmma_commit()
+        warpgroup.wgmma_wait(0)
+        for i in range(64):
+            out[t, i] = acc[i]
+
+    return tma_wgmma
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_tiles_loaded_by_tma_multiply_by_wgmma(dtype):
+    from tests.test_warpgroup import operands
+
+    (a_bits, b_bits), (a, b_t) = operands(128, 4, dtype)
+    out = np.zeros((128, 64), np.float32)
+    maps = [tma.tensor_map(on_device(x), x.shape[0], 64, warpgroup.SWIZZLE)
+            for x in (a_bits, b_bits)]
+    make_tma_wgmma(dtype)[1, 128](*maps, out)
+    want = np.zeros((64, 128), np.float32)
+    for s in range(4):
+        cut = slice(16 * s, 16 * s + 16)
+        want = warpgroup.product_reference(a[:, cut], b_t[:, cut], want)
+    err = float(np.abs(warpgroup.accumulator_matrix(out) - want).max())
+    assert err <= (0 if SIMULATOR else 1e-5 * 16 * float(np.abs(want).max())), err
