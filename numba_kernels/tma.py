@@ -1,7 +1,7 @@
 """Hopper's asynchronous bulk copies and the transaction barriers that say when they landed
 (sm_90a), from Python: on the GPU each is one inline-PTX instruction (a Numba @intrinsic), in
-the simulator Python with the same semantics, as warp.py and warpgroup.py do. Nothing here is
-used by a shipped kernel yet (issue 38); tests/test_tma.py runs a producer warp filling a ring
+the simulator Python with the same semantics, as warp.py and warpgroup.py do. No shipped kernel uses
+them yet; tests/test_tma.py runs a producer warp filling a ring
 of stages for 128 consumer threads, the shape of FlashAttention-3's K and V loads.
 
 A barrier (mbarrier) is a 64-bit word in shared memory, an element of a shared uint64 array.

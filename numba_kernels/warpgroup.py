@@ -1,9 +1,8 @@
 """Hopper's warpgroup instructions from Python (sm_90a): wgmma.mma_async with both operands in
 shared memory, read through matrix descriptors, and the fences and groups that order it. On
 the GPU each is one inline-PTX instruction (a Numba @intrinsic); in the simulator each is
-Python with the same per-thread result, as warp.py does for mma.sync. Nothing here is used by
-a shipped kernel yet (issue 38's first step); the layouts are the ones the H200 was checked
-against (tests/test_gpu.py).
+Python with the same per-thread result, as warp.py does for mma.sync. No shipped kernel uses
+them yet; the H200 agrees with the layouts below (tests/test_warpgroup.py, tests/test_tma.py).
 
 A warpgroup is 4 consecutive warps, 128 threads whose first is a multiple of 128; thread t of
 it is in warp w = t // 32, lane 4 g + q.
