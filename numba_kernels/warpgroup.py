@@ -307,3 +307,10 @@ else:
 
     mma_async_f16 = _make_mma_async("f16")
     mma_async_bf16 = _make_mma_async("bf16")
+
+
+@device_function
+def aligned_index(words, align):
+    """The first index of a shared uint32 array whose address is a multiple of `align`
+    bytes (a power of two: 16 for descriptors without swizzle, 1024 for the swizzle)."""
+    return (align - shared_address(words) % align) % align // 4

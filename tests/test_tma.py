@@ -129,12 +129,12 @@ def make_box_copy(box_words):
 
     @cuda.jit
     def box_copy(tmap, row, col, out):
-        words = cuda.shared.array(BOX_ROOM, uint32)
-        bars = cuda.shared.array(1, uint64)
         t = cuda.threadIdx.x
-        pad = (1024 - warpgroup.shared_address(words) % 1024) % 1024 // 4
+        bars = cuda.shared.array(1, uint64)  # the box has landed
         if t == 0:
             tma.barrier_init(bars, 0, 1)
+        words = cuda.shared.array(BOX_ROOM, uint32)
+        pad = warpgroup.aligned_index(words, 1024)
         cuda.syncthreads()
         if t == 0:
             tma.arrive_expect_tx(bars, 0, box_words * 4)
@@ -189,7 +189,7 @@ def make_tma_wgmma(dtype):
         words = cuda.shared.array(PRODUCT_ROOM, uint32)
         bars = cuda.shared.array(1, uint64)
         t = cuda.threadIdx.x
-        pad = (1024 - warpgroup.shared_address(words) % 1024) % 1024 // 4
+        pad = warpgroup.aligned_index(words, 1024)
         if t == 0:
             tma.barrier_init(bars, 0, 1)
         cuda.syncthreads()

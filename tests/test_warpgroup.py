@@ -32,7 +32,7 @@ def make_chain(n, steps, dtype, swizzle=0):
     def chain(image_a, image_b, starts, out):
         words = cuda.shared.array(words_size, uint32)
         t = cuda.threadIdx.x
-        pad = (1024 - warpgroup.shared_address(words) % 1024) % 1024 // 4
+        pad = warpgroup.aligned_index(words, 1024)
         for i in range(t, a_words, 128):
             words[pad + i] = image_a[i]
         for i in range(t, b_words, 128):
