@@ -1,15 +1,15 @@
 """Hopper's asynchronous bulk copies and the transaction barriers that say when they landed
 (sm_90a), from Python: on the GPU each is one inline-PTX instruction (a Numba @intrinsic), in
-the simulator Python with the same semantics, as warp.py and warpgroup.py do. No shipped kernel uses
-them yet; tests/test_tma.py runs a producer warp filling a ring
-of stages for 128 consumer threads, the shape of FlashAttention-3's K and V loads.
+the simulator Python with the same semantics, as warp.py and warpgroup.py do. No shipped
+kernel uses them yet; tests/test_tma.py runs a producer warp filling a ring of stages for 128
+consumer threads, the shape of FlashAttention-3's K and V loads.
 
 A barrier (mbarrier) is a 64-bit word in shared memory, an element of a shared uint64 array.
 barrier_init(bars, i, count) (one thread, then a block barrier before any other use) expects
 `count` arrivals a phase. A phase completes when all its arrivals have come and every byte
 announced for it (arrive_expect_tx) has landed; the barrier then starts the next phase, whose
 parity is the other. wait(bars, i, parity) returns once the phase of that parity has
-completed: a consumer of stage s waits with parity (round // 1) & 1 of its use of s.
+completed: the r-th use of a stage (r = 0, 1, ...) waits with parity r % 2.
 
 bulk_copy(words, at, src, index, n_bytes, bars, i): one thread copies n_bytes (a multiple of
 16; both ends 16-byte aligned) from src's flat element `index` to words[at] (a shared uint32
@@ -164,18 +164,9 @@ else:
     from numba.core import types
     from numba.core.extending import intrinsic
 
+    from .warpgroup import inline_ptx, shared_element
+
     I32, I64 = ir.IntType(32), ir.IntType(64)
-
-    def _asm(builder, ret, text, constraints, args):
-        fn = ir.FunctionType(ret, [a.type for a in args])
-        return builder.call(ir.InlineAsm(fn, text, constraints, side_effect=True), args)
-
-    def _shared_at(context, builder, array_type, array, index_type, index):
-        """The 32-bit shared-state-space address of array[index]."""
-        data = context.make_array(array_type)(context, builder, array).data
-        at = builder.gep(data, [context.cast(builder, index, index_type, types.intp)])
-        shared = builder.addrspacecast(at, ir.PointerType(at.type.pointee, 3))
-        return builder.trunc(builder.ptrtoint(shared, I64), I32)
 
     def _u32(context, builder, ty, value):
         return context.cast(builder, value, ty, types.uint32)
@@ -184,8 +175,8 @@ else:
     def barrier_init(typingctx, bars, i, count):
         """Barrier i expects `count` arrivals a phase (one thread; a block barrier after)."""
         def codegen(context, builder, sig, args):
-            at = _shared_at(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            _asm(builder, ir.VoidType(), "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}",
+            at = shared_element(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            inline_ptx(builder, ir.VoidType(), "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}",
                  [at, _u32(context, builder, sig.args[2], args[2])])
             return context.get_dummy_value()
 
@@ -195,8 +186,8 @@ else:
     def arrive(typingctx, bars, i):
         """This thread's arrival at barrier i."""
         def codegen(context, builder, sig, args):
-            at = _shared_at(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            _asm(builder, ir.VoidType(), "mbarrier.arrive.shared::cta.b64 _, [$0];",
+            at = shared_element(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            inline_ptx(builder, ir.VoidType(), "mbarrier.arrive.shared::cta.b64 _, [$0];",
                  "r,~{memory}", [at])
             return context.get_dummy_value()
 
@@ -206,8 +197,8 @@ else:
     def arrive_expect_tx(typingctx, bars, i, n_bytes):
         """This thread's arrival at barrier i, announcing n_bytes more to land this phase."""
         def codegen(context, builder, sig, args):
-            at = _shared_at(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            _asm(builder, ir.VoidType(),
+            at = shared_element(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            inline_ptx(builder, ir.VoidType(),
                  "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}",
                  [at, _u32(context, builder, sig.args[2], args[2])])
             return context.get_dummy_value()
@@ -219,11 +210,11 @@ else:
         """1 if barrier i's phase of this parity has completed (the hardware may wait a
         while first), else 0."""
         def codegen(context, builder, sig, args):
-            at = _shared_at(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            at = shared_element(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             text = ("{ .reg .pred done; "
                     "mbarrier.try_wait.parity.shared::cta.b64 done, [$1], $2; "
                     "selp.u32 $0, 1, 0, done; }")
-            return _asm(builder, I32, text, "=r,r,r,~{memory}",
+            return inline_ptx(builder, I32, text, "=r,r,r,~{memory}",
                         [at, _u32(context, builder, sig.args[2], args[2])])
 
         return types.uint32(bars, i, parity), codegen
@@ -238,12 +229,12 @@ else:
     def bulk_copy(typingctx, words, at, src, index, n_bytes, bars, i):
         """n_bytes from src's flat element `index` to words[at], landing on barrier i."""
         def codegen(context, builder, sig, args):
-            dst = _shared_at(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            dst = shared_element(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             data = context.make_array(sig.args[2])(context, builder, args[2]).data
             src_at = builder.ptrtoint(builder.gep(data, [context.cast(
                 builder, args[3], sig.args[3], types.intp)]), I64)
-            bar = _shared_at(context, builder, sig.args[5], args[5], sig.args[6], args[6])
-            _asm(builder, ir.VoidType(),
+            bar = shared_element(context, builder, sig.args[5], args[5], sig.args[6], args[6])
+            inline_ptx(builder, ir.VoidType(),
                  "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
                  "[$0], [$1], $2, [$3];", "r,l,r,r,~{memory}",
                  [dst, src_at, _u32(context, builder, sig.args[4], args[4]), bar])
@@ -277,12 +268,12 @@ else:
     def tensor_copy(typingctx, words, at, tmap, col, row, bars, i):
         """The box at (row, col) of tmap's array to words[at], landing on barrier i."""
         def codegen(context, builder, sig, args):
-            dst = _shared_at(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            dst = shared_element(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             data = context.make_array(sig.args[2])(context, builder, args[2]).data
-            bar = _shared_at(context, builder, sig.args[5], args[5], sig.args[6], args[6])
+            bar = shared_element(context, builder, sig.args[5], args[5], sig.args[6], args[6])
             coords = [context.cast(builder, v, ty, types.int32)
                       for v, ty in zip(args[3:5], sig.args[3:5])]
-            _asm(builder, ir.VoidType(),
+            inline_ptx(builder, ir.VoidType(),
                  "cp.async.bulk.tensor.2d.shared::cluster.global.tile"
                  ".mbarrier::complete_tx::bytes [$0], [$1, {$2, $3}], [$4];",
                  "r,l,r,r,r,~{memory}",

@@ -189,20 +189,24 @@ else:
 
     I32, I64, F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 
-    def _asm(builder, ret, text, constraints, args):
+    def inline_ptx(builder, ret, text, constraints, args):
+        """One inline-PTX statement with side effects (never moved or dropped); its output."""
         fn = ir.FunctionType(ret, [a.type for a in args])
         return builder.call(ir.InlineAsm(fn, text, constraints, side_effect=True), args)
 
-    def _shared_base(context, builder, array_type, array):
+    def shared_element(context, builder, array_type, array, index_type, index):
+        """The 32-bit shared-state-space address of array[index] (a shared array)."""
         data = context.make_array(array_type)(context, builder, array).data
-        shared = builder.addrspacecast(data, ir.PointerType(data.type.pointee, 3))
+        at = builder.gep(data, [context.cast(builder, index, index_type, types.intp)])
+        shared = builder.addrspacecast(at, ir.PointerType(at.type.pointee, 3))
         return builder.trunc(builder.ptrtoint(shared, I64), I32)
 
     @intrinsic
     def shared_address(typingctx, words):
         """The 32-bit shared-state-space address of a shared array's first element."""
         def codegen(context, builder, signature, args):
-            return _shared_base(context, builder, signature.args[0], args[0])
+            return shared_element(context, builder, signature.args[0], args[0], types.intp,
+                                  ir.Constant(I64, 0))
 
         return types.uint32(words), codegen
 
@@ -217,10 +221,8 @@ else:
         mode = 0 if swizzle.literal_value == 0 else 1
 
         def codegen(context, builder, signature, args):
-            at = builder.add(_shared_base(context, builder, signature.args[0], args[0]),
-                             builder.shl(builder.trunc(context.cast(
-                                 builder, args[1], signature.args[1], types.int64), I32),
-                                 ir.Constant(I32, 2)))
+            at = shared_element(context, builder, signature.args[0], args[0],
+                                signature.args[1], args[1])
             fields = [at] + [builder.trunc(context.cast(builder, v, ty, types.int64), I32)
                              for v, ty in zip(args[2:4], signature.args[2:4])]
             out = ir.Constant(I64, mode << 62)
@@ -250,7 +252,7 @@ else:
         @intrinsic
         def emit(typingctx):
             def codegen(context, builder, signature, args):
-                _asm(builder, ir.VoidType(), text, "~{memory}", [])
+                inline_ptx(builder, ir.VoidType(), text, "~{memory}", [])
                 return context.get_dummy_value()
 
             return types.void(), codegen
@@ -272,7 +274,7 @@ else:
             return None
 
         def codegen(context, builder, signature, args):
-            _asm(builder, ir.VoidType(), f"wgmma.wait_group.sync.aligned {n.literal_value};",
+            inline_ptx(builder, ir.VoidType(), f"wgmma.wait_group.sync.aligned {n.literal_value};",
                  "~{memory}", [])
             return context.get_dummy_value()
 
@@ -297,7 +299,7 @@ else:
                        for v, ty in zip(args[:2], signature.args[:2])]
                 ins += [ir.Constant(I32, 1)] + [builder.extract_value(args[2], i)
                                                  for i in range(r)]
-                res = _asm(builder, ir.LiteralStructType([F32] * r), text, constraints, ins)
+                res = inline_ptx(builder, ir.LiteralStructType([F32] * r), text, constraints, ins)
                 return context.make_tuple(builder, signature.return_type,
                                           [builder.extract_value(res, i) for i in range(r)])
 
