@@ -22,8 +22,10 @@ tensor_copy(words, at, tmap, col, row, bars, i): one thread copies a box of a 2-
 16-bit values (TMA), the box's first element at (row, col), into words[at]: box rows of
 box_cols values one after another, elements outside the array as zeros, and with SWIZZLE
 (box_cols = 64: rows of 128 bytes) each row's 16-byte chunks placed as warpgroup.swizzled says,
-the layout wgmma's swizzled descriptors read; the start 1024-byte aligned then, else 128. The
-box's bytes, zeros included, count against barrier i. tmap is what tensor_map made on the host:
+the layout wgmma's swizzled descriptors read; the start 1024-byte aligned then, else 128. col
+must be a multiple of BOX_COL_ALIGN (8 values: 16 bytes; measured on an H100, any other column
+stops the kernel with an illegal instruction); row may be any int32, negative too. The box's
+bytes, zeros included, count against barrier i. tmap is what tensor_map made on the host:
 a device array holding the driver's 128-byte CUtensorMap.
 
 The simulator copies at once and counts the bytes as landed then; it keeps each barrier's
@@ -40,6 +42,9 @@ from .warpgroup import SWIZZLE, swizzled
 
 WAIT_TIMEOUT_S = 120
 BULK_ALIGN = 16  # bytes: a bulk copy's size, source and destination
+
+
+BOX_COL_ALIGN = 8  # tensor_copy's first column: a multiple of 8 16-bit values (16 bytes)
 
 
 def check_bulk(n_bytes):
@@ -154,6 +159,9 @@ if SIMULATOR:
         if int(at) * 4 % (1024 if swizzle else 128):
             raise ValueError("tensor_copy: the destination must be 1024-byte aligned with "
                              "the swizzle, 128 without")
+        if int(col) % BOX_COL_ALIGN:
+            raise ValueError(f"tensor_copy: col {int(col)}, a multiple of {BOX_COL_ALIGN} "
+                             "(16 bytes) expected; the GPU stops on an illegal instruction")
         image = box_image(array, int(row), int(col), box_rows, box_cols, swizzle)
         words[int(at):int(at) + image.size // 2] = image.view(np.uint32)
         _barrier(bars, i).landed(image.size * 2)
@@ -254,8 +262,12 @@ else:
             raise ValueError("tensor_map: a C-contiguous array of 16-bit values expected")
         err, tmap = driver.cuTensorMapEncodeTiled(
             driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 2,
-            array.__cuda_array_interface__["data"][0], [cols, rows], [array.strides[0]],
-            [box_cols, box_rows], [1, 1], driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            array.__cuda_array_interface__["data"][0],
+            [driver.cuuint64_t(int(n)) for n in (cols, rows)],
+            [driver.cuuint64_t(int(array.strides[0]))],
+            [driver.cuuint32_t(int(n)) for n in (box_cols, box_rows)],
+            [driver.cuuint32_t(1), driver.cuuint32_t(1)],
+            driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
             driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B if swizzle
             else driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
             driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,

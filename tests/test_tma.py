@@ -77,6 +77,9 @@ def test_misuse_is_an_error():
         tma.bulk_copy(words, 0, words, 0, 8, bars, 1)
     with pytest.raises(ValueError, match="16-byte aligned"):
         tma.bulk_copy(words, 1, words, 0, 16, bars, 1)
+    tmap = tma.tensor_map(np.zeros((16, 64), np.uint16), 8, 32)
+    with pytest.raises(ValueError, match="col 100, a multiple of 8"):  # illegal on the GPU
+        tma.tensor_copy(words, 0, tmap, 100, 0, bars, 1)
 
 
 ASSEMBLE = """
@@ -150,7 +153,7 @@ BOX_ROOM = 64 * 64 // 2 + 256
 
 
 @pytest.mark.parametrize("row, col, box, swizzle", [(0, 0, (64, 64), 0), (40, 24, (32, 64), 128),
-                                                    (70, 100, (16, 32), 0), (8, 64, (64, 64), 128)])
+                                                    (70, 96, (16, 32), 0), (8, 64, (64, 64), 128)])
 def test_a_tma_box_lands_as_box_image_says(row, col, box, swizzle):
     """Boxes inside the array and across its edges (zeros there), row-major and swizzled."""
     array = np.random.default_rng(row).integers(0, 2**16, (80, 120)).astype(np.uint16)
