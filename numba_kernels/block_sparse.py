@@ -114,11 +114,12 @@ def lists_source(spec=ListsSpec()):
     TRANSPOSED = spec.transposed
 
     def visible_lists(classes, visible):
-        """visible[cb, ch, i] (shape (B or 1, Hq or 1, tiles, 1 + other tiles)): the count,
+        """visible[cb, ch, i] (shape (B or 1, Hq or 1, tiles, 2 + other tiles)): the count,
         then the tiles j of the other side whose class classes[cb, ch, i, j] (classes[cb,
-        ch, j, i] where transposed) is not SKIP, 2 j + 1 where PARTIAL, 2 j where FULL."""
+        ch, j, i] where transposed) is not SKIP, 2 j + 1 where PARTIAL, 2 j where FULL, then
+        the sentinel 2 * other tiles."""
         heads, tiles = classes.shape[1], visible.shape[2]
-        others = visible.shape[3] - 1
+        others = visible.shape[3] - 2
         lane = cuda.threadIdx.x % warp.LANES
         row = int64(cuda.blockIdx.x) * LIST_WARPS + cuda.threadIdx.x // warp.LANES
         if row >= classes.shape[0] * heads * tiles:
@@ -138,6 +139,7 @@ def lists_source(spec=ListsSpec()):
             n += warp.popc(kept)
         if lane == 0:
             visible[cb, ch, i, 0] = n
+            visible[cb, ch, i, 1 + n] = 2 * others
 
     return visible_lists
 
@@ -215,7 +217,7 @@ def blocks_kernel(spec=BlocksSpec()):
     return jit(blocks_source(spec), ("block mask", spec.expand), FASTMATH)
 
 
-TileWalk = namedtuple("TileWalk", "walk_range walk_end tile_start step_tile reads_mask STEP")
+TileWalk = namedtuple("TileWalk", "walk_range walk_steps step_tile tile_start reads_mask STEP")
 
 
 def make_tile_walk(HAS_MASK, BLOCK_N):
@@ -240,11 +242,15 @@ def make_tile_walk(HAS_MASK, BLOCK_N):
         return lo
 
     @kernel_part
-    def walk_end(visible, cb, ch, tile, last):
-        """t1 of walk_range: the end of the steps over keys before `last`."""
+    def walk_steps(visible, cb, ch, tile, first, last):
+        """(t0, t_end): walk_range's first step, and with a mask the end of the whole list
+        (no search for last's step: the loop stops at the first step whose tile starts at
+        or past `last`); without, walk_range's. The forward's walk (one search fewer; the
+        masked variants' registers)."""
         if HAS_MASK:
-            return listed_before(visible, cb, ch, tile, (last + BLOCK_N - 1) // BLOCK_N)
-        return last
+            return (listed_before(visible, cb, ch, tile, first // BLOCK_N),
+                    int64(visible[cb, ch, tile, 0]))
+        return first, last
 
     @kernel_part
     def walk_range(visible, cb, ch, tile, first, last):
@@ -252,20 +258,23 @@ def make_tile_walk(HAS_MASK, BLOCK_N):
         BLOCK_N)."""
         if HAS_MASK:
             return (listed_before(visible, cb, ch, tile, first // BLOCK_N),
-                    walk_end(visible, cb, ch, tile, last))
+                    listed_before(visible, cb, ch, tile, (last + BLOCK_N - 1) // BLOCK_N))
         return first, last
 
     @kernel_part
     def step_tile(visible, cb, ch, tile, t):
-        """The first key of step t's tile (t a step of the walk)."""
+        """The first key of step t's tile (t0 <= t <= t1 of walk_range): at t1, a key at or
+        past `last` (with a mask the list's next tile or its sentinel), which callers test
+        against last."""
         if not HAS_MASK:
             return t
         return int64(visible[cb, ch, tile, 1 + t] >> 1) * BLOCK_N
 
     @kernel_part
-    def tile_start(visible, cb, ch, tile, t, t1, first, last):
-        """step_tile's, where with a mask `last` from step t1 on (without, t itself, which a
-        caller tests against last)."""
+    def tile_start(visible, cb, ch, tile, t, t1, last):
+        """step_tile's, where with a mask `last` from step t1 on: the dQ kernel's (its
+        masked variants at D = 128 hold 255 registers, and spill when the list's sentinel
+        takes this test's place)."""
         if HAS_MASK and t >= t1:
             return last
         return step_tile(visible, cb, ch, tile, t)
@@ -276,4 +285,4 @@ def make_tile_walk(HAS_MASK, BLOCK_N):
         visible by the mask wherever the band lets a row see."""
         return HAS_MASK and visible[cb, ch, tile, 1 + t] & 1 != 0
 
-    return TileWalk(walk_range, walk_end, tile_start, step_tile, reads_mask, STEP)
+    return TileWalk(walk_range, walk_steps, step_tile, tile_start, reads_mask, STEP)

@@ -80,9 +80,10 @@ ARGS = (
     ("k", "input", "(B, Hk, Nk, D) keys"),
     ("v", "input", "(B, Hk, Nk, DV) values"),
     ("mask", "mask", "uint8, 0 hides a key; broadcast by zero strides (all ones if none)"),
-    ("visible", "visible", "int32 (B or 1, Hq or 1, query tiles, 1 + key tiles): each query "
+    ("visible", "visible", "int32 (B or 1, Hq or 1, query tiles, 2 + key tiles): each query "
      "tile's count of key tiles the mask does not skip, then those tiles, 2 j + 1 where "
-     "partly visible, 2 j where fully (block_sparse.py); read with a mask"),
+     "partly visible, 2 j where fully, then 2 * key tiles (block_sparse.py); read with a "
+     "mask"),
     ("bias", "bias", "float32, added to the scores (natural log); broadcast likewise"),
     ("kv_lengths", "lengths", "(B,) int32: the keys each batch element has"),
     ("out", "output", "(B, Hq, Nq, DV); with split-KV (splits * B, ...) float32 partials"),

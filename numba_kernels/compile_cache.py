@@ -75,11 +75,12 @@ def variant_folder(key):
     return os.path.join(root, sources_digest()[:24], variant)
 
 
-def jit(fn, key, fastmath):
-    """cuda.jit(fn), kept in the disk cache under `key` (what names the variant fn is)."""
+def jit(fn, key, fastmath, launch_bounds=None):
+    """cuda.jit(fn), kept in the disk cache under `key` (what names the variant fn is);
+    launch_bounds: (threads a block, blocks an SM) for ptxas, or None."""
     if SIMULATOR:  # the simulator takes no fastmath
         return cuda.jit(fn)
-    kernel = cuda.jit(fastmath=fastmath)(fn)
+    kernel = cuda.jit(fastmath=fastmath, launch_bounds=launch_bounds)(fn)
     folder = variant_folder(key)
     if folder and numba_internals.cache_on_disk(kernel, folder, key):
         _FOLDERS[kernel] = folder

@@ -442,7 +442,7 @@ def kernel_source(spec):
      pv_seen_keys, store_out) = device_functions(spec)
     HAS_MASK = spec.has_mask
     walk = make_tile_walk(HAS_MASK, BLOCK_N)
-    walk_range, tile_start, reads_mask, WALK_STEP = (walk.walk_range, walk.tile_start,
+    walk_range, step_tile, reads_mask, WALK_STEP = (walk.walk_range, walk.step_tile,
                                                      walk.reads_mask, walk.STEP)
 
     def flash_fwd(q, k, v, mask, visible, bias, kv_lengths, out, lse, n_q, d, d_v, group,
@@ -483,7 +483,7 @@ def kernel_source(spec):
         biased = HAS_MASK and bias_given(bias, bias_steps)
         t0, t1 = walk_range(visible, cb, ch, tile, first, last)  # tiles no row sees: none
         for t in range(t0, t1, WALK_STEP):
-            start_n = tile_start(visible, cb, ch, tile, t, t1, first, last)
+            start_n = step_tile(visible, cb, ch, tile, t)
             # Keys left from start_n: the last tile may be partial (its rows past them are
             # loaded as zeros). Not min(last, start_n + BLOCK_N): that costs registers.
             n_keys = last - start_n

@@ -19,7 +19,7 @@ from .common import (ARGS, FASTMATH, F_LN2, NEG_INF, NO_PART, ZERO, bias_given, 
 from .compile_cache import jit
 from .convert import CONVERTERS, float32, int64, uint32
 from .mma_parts import (BLOCK_M, BLOCK_N, EXPONENT_BITS, FACTORS, FLAG_ROWS,
-                        MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, WARPS, halves_ship, make_copy_kv,
+                        MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, THREADS, WARPS, halves_ship, make_copy_kv,
                         make_copy_tile, make_load_q_fragments, make_next_tile, make_pv,
                         make_pv_seen_pairs, make_q_scores, make_scale_and_mask, make_scores,
                         make_unpacked, own_flagged, row_max, tiles_flagged, word_nonfinite)
@@ -41,6 +41,7 @@ MMA_ARGS = tuple(x for a in ARGS if a[0] != "n_tiles"
 
 MMA_ARG_NAMES = tuple(name for name, _, _ in MMA_ARGS)
 ONE = float32(1.0)
+MASKED_BLOCKS_PER_SM = 3  # launch_bounds': 65536 registers / (3 * 128) -> 168 a thread
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class MmaSpec:
     partial: bool = False  # split-KV: float32 partial results for split_kv's merge
     careful: bool = False  # the variant for the blocks the fast one deferred (V not finite)
     summed: bool = False  # float32: each step's products summed apart (precision "highest")
+    full_tiles: bool = False  # every listed tile FULL, no bias (a block mask alone): reads none
+
 
     def check(self):
         if self.d not in MMA_WIDTHS or self.dv not in MMA_WIDTHS:
@@ -63,6 +66,9 @@ class MmaSpec:
                              f"{self.dtype!r}")
         if self.summed and not self.halves:
             raise ValueError(f"MmaSpec: summed is for float32 (halves) only, got {self}")
+        if self.full_tiles and (not self.has_mask or self.halves or self.careful):
+            raise ValueError("MmaSpec: full_tiles is for the fast 16-bit variants with a mask "
+                             f"only, got {self}")
         return self
 
     @property
@@ -75,6 +81,17 @@ class MmaSpec:
         """Whether Q's hi tile stays in shared memory (at layout's q_hi_at): for the careful
         variant's scores_exact, and for the summed scores, which read it there."""
         return self.careful or self.summed
+
+    @property
+    def launch_bounds(self):
+        """(threads a block, blocks an SM) that ptxas compiles for, or None (its own choice).
+        The full_tiles variants with d = dv = 128 would take 230 registers a thread: 2
+        blocks an SM; bounded they fit 168 and 3 blocks (the unmasked variants' occupancy),
+        spilling a few bytes (ptx_report.BOUNDED_SPILL). The variants that read a mask or a
+        bias would spill more: unbounded."""
+        if self.full_tiles and self.d == self.dv == 128:
+            return (THREADS, MASKED_BLOCKS_PER_SM)
+        return None
 
     @property
     def ships(self):
@@ -110,10 +127,11 @@ class MmaSpec:
 
 def mma_specs():
     """Every variant the PTX report compiles."""
-    specs = (MmaSpec(d, dv, dtype, m, p, c, summed).check() for d in MMA_WIDTHS
+    specs = (MmaSpec(d, dv, dtype, m, p, c, summed, full).check() for d in MMA_WIDTHS
              for dv in MMA_WIDTHS for dtype in MMA_INPUT_DTYPES for m in (False, True)
              for p in (False, True) for c in (False, True)
-             for summed in ((False, True) if dtype == "float32" else (False,)))
+             for summed in ((False, True) if dtype == "float32" else (False,))
+             for full in ((False, True) if m and not c and dtype != "float32" else (False,)))
     return [s for s in specs if s.ships]
 
 
@@ -353,6 +371,7 @@ def kernel_source(spec):
     WORDS = 0 if spec.halves else lay["words"]  # 0: dynamic, as the launch makes it
     NB, VB, KSTEPS = BLOCK_N // 8, DV // 8, D // 16
     CAREFUL, HALVES, HAS_MASK = spec.careful, spec.halves, spec.has_mask
+    READS = HAS_MASK and not spec.full_tiles  # the mask and the bias
     EXACT = HALVES and CAREFUL  # scores_exact for tile pairs holding a NaN or an inf
     if HALVES:
         copy_kv, copy_q, scores, pv, pv_seen_pairs = halves.forward_parts(spec)
@@ -363,7 +382,7 @@ def kernel_source(spec):
     load_q = make_load_q(copy_q, copy_kv, make_load_q_fragments(D, K_ROW), STAGE)
     this_block, next_tile = make_this_block(CAREFUL), make_next_tile(copy_kv, STAGE)
     walk = make_tile_walk(spec.has_mask, BLOCK_N)
-    walk_range, tile_start, reads_mask, WALK_STEP = (walk.walk_range, walk.tile_start,
+    walk_steps, step_tile, reads_mask, WALK_STEP = (walk.walk_steps, walk.step_tile,
                                                      walk.reads_mask, walk.STEP)
     init_rows = make_init_rows(VB)
     scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
@@ -403,9 +422,9 @@ def kernel_source(spec):
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
             split, split_len, BLOCK_N)
         cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's visible list
-        biased = HAS_MASK and bias_given(bias, bias_steps)
-        t0, t1 = walk_range(visible, cb, ch, tile, first, last)  # tiles no row sees: none
-        start_n = tile_start(visible, cb, ch, tile, t0, t1, first, last)
+        biased = READS and bias_given(bias, bias_steps)
+        t0, t_end = walk_steps(visible, cb, ch, tile, first, last)  # tiles no row sees: none
+        start_n = step_tile(visible, cb, ch, tile, t0)  # past last where there is no step
         q_bad = HALVES and own_flagged(q_flags, b, h, start_m)  # scores_exact's
         if HALVES and not CAREFUL and tiles_flagged(k_flags, k_flags, b, hk, 1, start_n,
                                                     last - 1, tid, q_bad):
@@ -417,9 +436,10 @@ def kernel_source(spec):
         load_q(words, q, k, v, q_base, k_base, v_base, start_m, start_n, last, n_q, d, d_v,
                q_frag, lane, w)
         stage = 0
-        for t in range(t0, t1, WALK_STEP):
-            start_n = tile_start(visible, cb, ch, tile, t, t1, first, last)
-            following = tile_start(visible, cb, ch, tile, t + WALK_STEP, t1, first, last)
+        for t in range(t0, t_end, WALK_STEP):
+            if start_n >= last:
+                break  # the band ends before the list
+            following = step_tile(visible, cb, ch, tile, t + WALK_STEP)  # or the sentinel
             next_tile(words, k, v, k_base, v_base, following, last, d, d_v, stage)
             at = stage * STAGE
             scores(words, at, q_frag, s, lane, w,  # S = Q K^T
@@ -427,13 +447,14 @@ def kernel_source(spec):
             interior = start_n >= lo_last and start_n + BLOCK_N <= hi_first  # all rows see it
             scale_and_mask(s, qk, mask, bias, mask_steps, bias_steps, b, h, row0,
                            start_n, lo, hi, interior, whole_rows, n_q,
-                           reads_mask(visible, cb, ch, tile, t), biased, lane)
+                           READS and reads_mask(visible, cb, ch, tile, t), biased, lane)
             # the same answer for the whole block (tile_nonfinite's barrier)
             nonfinite_v = CAREFUL and tile_nonfinite(words, at + K_TILE)
             online_softmax(s, m_i, l_i, acc, nonfinite_v)
             scale_p(s)
             add_pv(words, at + K_TILE, s, acc, lane, nonfinite_v)
             stage = 1 - stage
+            start_n = following
         # a row that ended non-finite: the careful variant does the block (syncthreads_or
         # takes an int)
         if not CAREFUL and hand_over(deferred, ob, h, tile,
@@ -447,4 +468,4 @@ def kernel_source(spec):
 @lru_cache(maxsize=32)
 def mma_kernel(spec):
     """The compiled kernel of a variant (through the on-disk compile cache)."""
-    return jit(kernel_source(spec), ("mma",) + astuple(spec), FASTMATH)
+    return jit(kernel_source(spec), ("mma",) + astuple(spec), FASTMATH, spec.launch_bounds)

@@ -50,11 +50,11 @@ def _with_visible(args, meaning):
 
 
 MMA_DKDV_ARGS = _with_flags(_with_visible(
-    DKDV_ARGS, "int32 (B or 1, Hq or 1, key tiles of BLOCK, 1 + query tiles of qb): each key "
+    DKDV_ARGS, "int32 (B or 1, Hq or 1, key tiles of BLOCK, 2 + query tiles of qb): each key "
     "tile's count of query tiles the mask does not skip, then those tiles, 2 i + 1 where "
-    "partly visible, 2 i where fully; read with a mask"), "dk", "q", "dout", "k")
+    "partly visible, 2 i where fully, then 2 * query tiles; read with a mask"), "dk", "q", "dout", "k")
 MMA_DQ_ARGS = _with_flags(_with_visible(
-    DQ_ARGS, "int32 (B or 1, Hq or 1, query tiles of BLOCK, 1 + key tiles of KEY_TILE): the "
+    DQ_ARGS, "int32 (B or 1, Hq or 1, query tiles of BLOCK, 2 + key tiles of KEY_TILE): the "
     "forward's lists (ARGS), at this kernel's tiles; read with a mask"), "dq", "k", "q")
 
 BLOCK = 16 * WARPS  # keys of a dkdv block, query rows of a dq block
@@ -826,7 +826,7 @@ def dq_kernel_source(spec):
         cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's visible list
         biased = HAS_MASK and bias_given(bias, bias_steps)
         t0, t1 = walk_range(visible, cb, ch, tile, first, last)  # tiles no row sees: none
-        start_n = tile_start(visible, cb, ch, tile, t0, t1, first, last)
+        start_n = tile_start(visible, cb, ch, tile, t0, t1, last)
         rows_bad = HALVES and own_flagged(q_flags, b, h, start_m)  # scores_exact's
         if NONFINITE:
             if deferred[b, h, tile] == 0:
@@ -843,8 +843,8 @@ def dq_kernel_source(spec):
             warp.cp_async_commit()
         stage = 0
         for t in range(t0, t1, WALK_STEP):
-            start_n = tile_start(visible, cb, ch, tile, t, t1, first, last)
-            following = tile_start(visible, cb, ch, tile, t + WALK_STEP, t1, first, last)
+            start_n = tile_start(visible, cb, ch, tile, t, t1, last)
+            following = tile_start(visible, cb, ch, tile, t + WALK_STEP, t1, last)
             next_tile(words, k, v, k_base, v_base, following, last, d, d_v, stage)
             at = stage * STAGE
             scores_s(words, at, q_frag, s, lane, w,  # S = Q K^T

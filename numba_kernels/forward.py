@@ -11,7 +11,8 @@ from .common import kernel_args
 from .flash_fwd import KernelSpec
 from .flash_mma import MMA_ARG_NAMES, MmaSpec, mma_kernel
 from .launch import launch
-from .mma_parts import BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, mma_width as pad_mma
+from .mma_parts import (BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, full_tiles_apply,
+                        mma_width as pad_mma)
 from .plain_fwd import PLAIN_ARG_NAMES, plain_kernel, plain_tiles
 from .plan import (call_plan, check_kernel, halves_range_why_not, halves_summed, mma_plan,
                    resolve_precision)
@@ -254,9 +255,12 @@ def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, s
             kv_lengths=lengths, deferred=deferred, out=io.dev(dest[0]), lse=io.dev(dest[1]),
             n_q=pb.n_q, d=pb.d, d_v=pb.dv, group=pb.group, heads_q=pb.heads_q,
             split_len=split_len, **band(pb), **steps)
-        for careful in (False, True):
+        full = full_tiles_apply(pb.dtype, blocks is not None, blocks is not None and
+                                blocks.masked, bias is not None)
+        for careful in (False, True):  # the careful variant reads the all-true mask
             spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype, has_mask,
-                           n_splits > 1 or _unrounded(pb, float32_out), careful, summed)
+                           n_splits > 1 or _unrounded(pb, float32_out), careful, summed,
+                           full and not careful)
             launch(mma_kernel(spec), spec, (q_tiles, pb.batch * pb.heads_q, n_splits), 128,
                    io.stream, *args, shared=spec.dynamic_shared_bytes)
         if n_splits > 1:

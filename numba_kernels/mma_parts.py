@@ -30,6 +30,13 @@ def halves_ship(dtype, has_mask, d, d_v):
     return not (dtype == "float32" and has_mask and max(d, d_v) > HALVES_MASK_WIDTH)
 
 
+def full_tiles_apply(dtype, table_read, mask_given, bias_given):
+    """Whether the tensor-core forward runs its full_tiles variants (MmaSpec.full_tiles: no
+    mask or bias read): 16-bit inputs and a block table read as it is (prepass.table_fits),
+    with neither a mask nor a bias, so every tile its lists hold is FULL."""
+    return dtype != "float32" and table_read and not mask_given and not bias_given
+
+
 def mma_width(d):
     """The padded width for a head dim d, or None beyond the widest."""
     return next((w for w in MMA_WIDTHS if w >= d), None)

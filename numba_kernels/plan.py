@@ -10,7 +10,7 @@ import numpy as np
 
 from reference.contract import BLOCK_SIZE, check_attention_args, check_block_mask
 from .mma_parts import (BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, HALVES_MASK_WIDTH,
-                        MMA_INPUT_DTYPES, MMA_WIDTHS, halves_ship)
+                        MMA_INPUT_DTYPES, MMA_WIDTHS, full_tiles_apply, halves_ship)
 from .prepass import table_fits
 from .specs import DTYPES, choose_spec
 
@@ -96,18 +96,28 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
         return plan
     simt = spec or choose_spec(pb.d, pb.dv, pb.dtype, True)
     tile = (MMA_BLOCK_M, MMA_BLOCK_N) if plan.kernel == "mma" else (simt.block_m, simt.block_n)
-    return plan._replace(why=f"{plan.why}; {block_note(sizes, tile, block_mask, mask)}")
+    note = block_note(sizes, tile, block_mask, mask)
+    if plan.kernel == "mma" and full_tiles_apply(pb.dtype, table_read(sizes, tile, block_mask,
+                                                                      mask),
+                                                 mask is not None, bias is not None):
+        note += "; every listed tile FULL: the variant that reads no mask or bias"
+    return plan._replace(why=f"{plan.why}; {note}")
 
 
-def block_note(sizes, tile, block_mask, mask):
-    """How a kernel with tiles of `tile` (rows, keys) reads a block mask of blocks `sizes`
-    (prepass.table_fits): from its table, or written out as the boolean mask it stands
-    for."""
+def table_read(sizes, tile, block_mask, mask):
+    """Whether a kernel with tiles of `tile` (rows, keys) reads a block mask of blocks
+    `sizes` from its table (prepass.table_fits), not written out as a boolean mask."""
     def steps(x):
         return [int(n > 1) for n in (1,) * (4 - len(x.shape)) + tuple(x.shape)]
 
+    return table_fits(sizes, [tile], steps(block_mask), None if mask is None else steps(mask))
+
+
+def block_note(sizes, tile, block_mask, mask):
+    """How a kernel with tiles of `tile` (rows, keys) reads a block mask of blocks `sizes`:
+    from its table (table_read), or written out as the boolean mask it stands for."""
     what = f"block mask of {sizes[0]} x {sizes[1]}"
-    if table_fits(sizes, [tile], steps(block_mask), None if mask is None else steps(mask)):
+    if table_read(sizes, tile, block_mask, mask):
         return f"{what}: tiles of {tile[0]} x {tile[1]} classed from its table, no mask read"
     return (f"{what}: written out as the boolean mask it stands for (its blocks must hold "
             f"the kernel's tiles of {tile[0]} x {tile[1]} whole, multiples of 64 do, and a "

@@ -89,14 +89,14 @@ def fit_blocks(io, pb, mask_dev, steps, blocks, tiles=()):
 
 def list_prepass(io, classes, transposed=False):
     """The visible lists a kernel walks (block_sparse.lists_source): int32 on the device,
-    (B or 1, Hq or 1, query tiles, 1 + key tiles) for the classes class_prepass made, or
-    with transposed (B or 1, Hq or 1, key tiles, 1 + query tiles) (the dK, dV kernel's);
+    (B or 1, Hq or 1, query tiles, 2 + key tiles) for the classes class_prepass made, or
+    with transposed (B or 1, Hq or 1, key tiles, 2 + query tiles) (the dK, dV kernel's);
     for None (no mask or bias) an array the kernel does not read. No wait for the host."""
     if classes is None:
         return io.scratch((1, 1, 1, 1), "int32")
     batch, heads, tiles_m, tiles_n = classes.shape
     tiles, others = (tiles_n, tiles_m) if transposed else (tiles_m, tiles_n)
-    visible = io.scratch((batch, heads, tiles, 1 + others), "int32")
+    visible = io.scratch((batch, heads, tiles, 2 + others), "int32")
     rows, spec = batch * heads * tiles, ListsSpec(transposed)
     launch(lists_kernel(spec), spec, -(-rows // LIST_WARPS), LIST_THREADS, io.stream,
            classes, visible)

@@ -10,7 +10,8 @@ inputs contiguous): numba.cuda.compile_ptx
 for the compute capability, then `ptxas -v`, which reports registers, spills, stack frame and
 shared memory. A variant fails when it spills, needs a stack frame (arrays that fell out of
 registers into local memory; the plain kernels keep a row or a key there by design, so for
-them only the rest counts), uses more static shared memory than 48 KB (or more dynamic
+them only the rest counts; a variant compiled with launch bounds, which ask ptxas for a
+register count that gives more blocks an SM, may spill up to BOUNDED_SPILL bytes each way), uses more static shared memory than 48 KB (or more dynamic
 shared memory, the tuned backward's larger tiles, than the 227 KB a block may take), or has
 a float64 instruction in its PTX (a bare Python float turns float32 arithmetic into
 float64). The CUDA simulator cannot show any of this.
@@ -66,6 +67,9 @@ RECORD = os.path.join(ROOT, ".ci", "ptx_record.json")
 
 # Every file the compiled variants are made from (compile_cache.SOURCES), and this one.
 SOURCES = KERNEL_SOURCES + ("numba_kernels/ptx_report.py",)
+# Bytes a variant with launch bounds may spill (stores, and loads): a few registers, which
+# L1 serves once a step; more would be a slow kernel.
+BOUNDED_SPILL = 16
 
 
 def dependencies_digest(ptxas):
@@ -157,8 +161,10 @@ def check_variant(args):
         return dict(spec=name, ok=False, error=str(e))
     # the plain kernels keep a row (or a key) in local memory by design
     plain = type(spec).__name__ in ("PlainSpec", "PlainBwdSpec")
+    allowed = dict(spill_stores=BOUNDED_SPILL, spill_loads=BOUNDED_SPILL, stack_frame=BOUNDED_SPILL
+                   ) if getattr(spec, "launch_bounds", None) else {}
     problems = [k for k in ("spill_stores", "spill_loads", "stack_frame", "f64_instructions")
-                if row[k] and not (plain and k != "f64_instructions")]
+                if row[k] > allowed.get(k, 0) and not (plain and k != "f64_instructions")]
     row["dynamic_shared"] = getattr(spec, "dynamic_shared_bytes", 0)
     if row["shared"] > STATIC_SHARED_LIMIT or row["dynamic_shared"] > DYNAMIC_SHARED_LIMIT:
         problems.append("shared")

@@ -314,4 +314,5 @@ def compile_ptx(spec, cc=(9, 0)):
     numba_internals.compiling_for(cc): for the ptxas report (ptx_report.py), in processes of
     its own."""
     source, _, types = _variant(spec)
-    return cuda.compile_ptx(source(), types, cc=cc, fastmath=FASTMATH)[0]
+    return cuda.compile_ptx(source(), types, cc=cc, fastmath=FASTMATH,
+                            launch_bounds=getattr(spec, "launch_bounds", None))[0]

@@ -51,17 +51,19 @@ def tile_classes(keep, block_m, block_n):
 
 
 def visible_lists(classes):
-    """(..., query tiles, 1 + key tiles) int32 from tile classes (..., query tiles, key tiles):
+    """(..., query tiles, 2 + key tiles) int32 from tile classes (..., query tiles, key tiles):
     for each query tile, the number n of its key tiles that are not SKIP, then those tiles in
-    ascending order, tile j written 2 j + 1 where it is PARTIAL and 2 j where FULL (the rest of
-    the row unspecified: zeros here). The list a forward kernel walks
-    (numba_kernels/block_sparse.py): its steps are the visible tiles alone."""
+    ascending order, tile j written 2 j + 1 where it is PARTIAL and 2 j where FULL, then the
+    sentinel 2 * key tiles (a tile past every key; the rest of the row unspecified: zeros
+    here). The list a forward kernel walks (numba_kernels/block_sparse.py): its steps are the
+    visible tiles alone, and the step after the last one starts past every key."""
     classes = np.asarray(classes)
     *lead, tiles_m, tiles_n = classes.shape
-    out = np.zeros((*lead, tiles_m, 1 + tiles_n), np.int32)
+    out = np.zeros((*lead, tiles_m, 2 + tiles_n), np.int32)
     for index in np.ndindex(*lead, tiles_m):
         row = classes[index]
         kept = np.flatnonzero(row != SKIP)
         out[index][0] = kept.size
         out[index][1:1 + kept.size] = 2 * kept + (row[kept] == PARTIAL)
+        out[index][1 + kept.size] = 2 * tiles_n
     return out
