@@ -2,7 +2,8 @@
 shared memory, read through matrix descriptors, and the fences and groups that order it. On
 the GPU each is one inline-PTX instruction (a Numba @intrinsic); in the simulator each is
 Python with the same per-thread result, as warp.py does for mma.sync. No shipped kernel uses
-them yet; the H200 agrees with the layouts below (tests/test_warpgroup.py, tests/test_tma.py).
+them yet; the H100 and the H200 agree with the layouts below (tests/test_warpgroup.py,
+tests/test_tma.py).
 
 A warpgroup is 4 consecutive warps, 128 threads whose first is a multiple of 128; thread t of
 it is in warp w = t // 32, lane 4 g + q.
@@ -33,6 +34,12 @@ simulator computes a product when it is issued (the earliest the hardware may re
 operands): a kernel that overwrites an operand before waiting is wrong on the GPU and not
 caught here; one that reads the accumulators before waiting reads the result here and
 garbage there.
+
+setmaxnreg_dec(n) / setmaxnreg_inc(n) (n a literal, a multiple of 8 from 24 to 256): every
+thread of a warpgroup lowers, or raises, its warpgroup's registers a thread to n, so that a
+producer warpgroup gives registers to consumer ones (warp specialization). The kernel must be
+compiled for a known register count (launch bounds: compile_cache.jit's launch_bounds). The
+simulator checks n and does nothing else.
 """
 import numpy as np
 from numba import cuda
@@ -109,6 +116,12 @@ def product_reference(a, b_t, c):
             + np.asarray(c, np.float64)).astype(np.float32)
 
 
+def check_registers(n):
+    """setmaxnreg's count: a multiple of 8 from 24 to 256 (PTX ISA)."""
+    if n % 8 or not 24 <= n <= 256:
+        raise TypeError(f"setmaxnreg: {n} registers, a multiple of 8 from 24 to 256 expected")
+
+
 def _check_shape(n):
     if n % 8 or not 8 <= n <= 256:
         raise TypeError(f"wgmma m64nNk16: N = {n}, a multiple of 8 from 8 to 256 expected "
@@ -142,6 +155,12 @@ if SIMULATOR:
 
     def wgmma_wait(n):
         pass
+
+    def setmaxnreg_inc(n):
+        check_registers(n)
+
+    def setmaxnreg_dec(n):
+        check_registers(n)
 
     @device_function
     def _thread():
@@ -279,6 +298,27 @@ else:
             return context.get_dummy_value()
 
         return types.void(n), codegen
+
+    def _setmaxnreg(action):
+        @intrinsic
+        def setmaxnreg(typingctx, n):
+            if not isinstance(n, types.IntegerLiteral):
+                return None
+            check_registers(n.literal_value)
+
+            def codegen(context, builder, signature, args):
+                inline_ptx(builder, ir.VoidType(),
+                           f"setmaxnreg.{action}.sync.aligned.u32 {n.literal_value};", "", [])
+                return context.get_dummy_value()
+
+            return types.void(n), codegen
+
+        way = "raised" if action == "inc" else "lowered"
+        setmaxnreg.__doc__ = (f"This warpgroup's registers a thread {way} to n (a literal; "
+                              "every thread of the warpgroup calls it).")
+        return setmaxnreg
+
+    setmaxnreg_inc, setmaxnreg_dec = _setmaxnreg("inc"), _setmaxnreg("dec")
 
     def _make_mma_async(kind):
         @intrinsic

@@ -156,6 +156,64 @@ def test_a_shape_outside_m64nNk16_is_refused():
         warpgroup.accumulator(3)
 
 
+def make_specialized():
+    """256 threads: warpgroup 0 (a producer's) gives registers back, warpgroup 1 (a
+    consumer's) takes more; each thread then writes its warpgroup's number."""
+
+    @cuda.jit
+    def specialized(out):
+        t = cuda.threadIdx.x
+        if t // warpgroup.WARPGROUP == 0:
+            warpgroup.setmaxnreg_dec(40)
+        else:
+            warpgroup.setmaxnreg_inc(232)
+        out[t] = t // warpgroup.WARPGROUP
+
+    return specialized
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's register check")
+def test_setmaxnreg_takes_multiples_of_8_from_24_to_256():
+    out = np.zeros(256, np.int32)
+    make_specialized()[1, 256](out)
+    assert (out == np.arange(256) // 128).all()
+    for bad in (16, 100, 264):
+        with pytest.raises(TypeError, match="multiple of 8 from 24 to 256"):
+            warpgroup.setmaxnreg_inc(bad)
+
+
+SPECIALIZED = """
+import subprocess, sys, tempfile
+from numba import cuda, types
+from numba_kernels.numba_internals import compiling_for
+from numba_kernels.ptx_report import find_ptxas
+import test_warpgroup as T
+for bounds in ((256, 1), None):
+    with compiling_for((9, 0)):
+        ptx, _ = cuda.compile_ptx(T.make_specialized().py_func, (types.Array(types.int32, 1, "C"),),
+                                  cc=(9, 0, "a"), launch_bounds=bounds)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        run = subprocess.run([find_ptxas(), "-arch=sm_90a", "-v", f.name, "-o", f.name + ".cubin"],
+                             capture_output=True, text=True)
+    print(bounds is not None, run.returncode, ptx.count("setmaxnreg."), "C7508" in run.stderr + run.stdout)
+"""
+
+
+def test_setmaxnreg_assembles_and_needs_launch_bounds():
+    """With launch bounds ptxas keeps both instructions; without, it ignores them (its
+    message C7508: no register count known at entry), which warpgroup.py's docstring says."""
+    pytest.importorskip("cuda.bindings", reason="needs the ptx extra (numba-cuda[cu13] and ptxas)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
+               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", SPECIALIZED], capture_output=True, text=True,
+                         env=env, cwd=root, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[-3:-1] == ["True 0 2 False", "False 0 2 True"], run.stdout
+
 
 ASSEMBLE = """
 import sys
