@@ -20,6 +20,10 @@ memory, "K-major" (a row of A, or a column of B, along K), in one of two layouts
   c ^ (r % 8): the shared address's bits 4-6 XORed with its bits 7-9, so the tile must start
   1024-byte aligned. Step s of K (values 16 s ..) starts 32 s bytes in (step_start).
 
+A may instead come from registers (mma_async_regs_*, as FlashAttention-3's P V takes P): four
+uint32 a thread, warp w's rows 16 w .. 16 w + 15 as mma.sync's A fragment (a_fragments), B
+from shared memory as above.
+
 Accumulator of thread t, N / 2 floats, like mma.sync's C fragment per warp:
 
     d[4 j + 0], d[4 j + 1] = D[16 w + g,     8 j + 2 q], D[16 w + g,     8 j + 2 q + 1]
@@ -45,6 +49,7 @@ import numpy as np
 from numba import cuda
 
 from .convert import SIMULATOR, device_function
+from . import warp
 from .warp import bits_value
 
 WARPGROUP = 128
@@ -104,6 +109,20 @@ def accumulator_matrix(frags):
             for half in range(2):
                 out[16 * w + g + 8 * half, 8 * j + 2 * q:8 * j + 2 * q + 2] = \
                     frags[t, 4 * j + 2 * half:4 * j + 2 * half + 2]
+    return out
+
+
+def a_fragments(a_bits):
+    """A (64, 16) 16-bit patterns -> (128, 4) uint32: the A registers of each thread of a
+    warpgroup for mma_async_regs_*: warp w holds rows 16 w .. 16 w + 15 as mma.sync's A
+    fragment (warp.a_registers), each register two values, the lower column in its low half.
+    The layout the accumulator's rows already have, so S's fragments become P's."""
+    a_bits = np.asarray(a_bits, np.uint16)
+    out = np.empty((WARPGROUP, 4), np.uint32)
+    for w in range(4):
+        pairs = warp.a_registers(a_bits[16 * w:16 * w + 16])
+        for lane in range(warp.LANES):
+            out[32 * w + lane] = [warp.pack_bits(lo, hi) for lo, hi in pairs[lane]]
     return out
 
 
@@ -192,6 +211,35 @@ if SIMULATOR:
                     s = sum(float(x) * float(y) for x, y in zip(a[half], cols[c]))
                     out.append(np.float32(s + float(acc[4 * j + 2 * half + c])))
         return tuple(out)
+
+    def _mma_async_regs(dtype, a, desc_b, acc):
+        """The product with A from each thread's registers: the warp's lanes meet (32
+        shuffles) for its 16 rows of A; the rest as _mma_async."""
+        n = 2 * len(acc)
+        _check_shape(n)
+        if desc_b[1] % 16:
+            raise ValueError(f"wgmma: an operand's start {desc_b[1]} is not 16-byte aligned")
+        lanes = np.array([warp.shfl_idx(tuple(int(x) for x in a), src)
+                          for src in range(warp.LANES)], np.uint64)
+        rows16 = warp.a_matrix(warp.unpack(lanes, dtype))
+        t = _thread()
+        g, q = t % 32 // 4, t % 4
+        out = []
+        for j in range(n // 8):
+            for half in range(2):
+                for c in range(2):
+                    col = [_element(desc_b, 8 * j + 2 * q + c, k, dtype) for k in range(16)]
+                    s = sum(float(x) * float(y) for x, y in zip(rows16[g + 8 * half], col))
+                    out.append(np.float32(s + float(acc[4 * j + 2 * half + c])))
+        return tuple(out)
+
+    def mma_async_regs_f16(a, desc_b, acc):
+        """acc + A B, A from registers (a: 4 uint32, a_fragments' layout), float16."""
+        return _mma_async_regs("float16", a, desc_b, acc)
+
+    def mma_async_regs_bf16(a, desc_b, acc):
+        """acc + A B, A from registers (a: 4 uint32, a_fragments' layout), bfloat16."""
+        return _mma_async_regs("bfloat16", a, desc_b, acc)
 
     def mma_async_f16(desc_a, desc_b, acc):
         """acc + A B for one m64nNk16 of float16 operands (N = 2 len(acc))."""
@@ -349,6 +397,41 @@ else:
 
     mma_async_f16 = _make_mma_async("f16")
     mma_async_bf16 = _make_mma_async("bf16")
+
+    def _make_mma_async_regs(kind):
+        @intrinsic
+        def mma_async_regs(typingctx, a, desc_b, acc):
+            if not isinstance(acc, types.UniTuple) or acc.dtype != types.float32 or not (
+                    isinstance(a, types.UniTuple) and a.count == 4
+                    and isinstance(a.dtype, types.Integer)):
+                return None
+            r = acc.count
+            _check_shape(2 * r)
+            outs = ",".join(f"${i}" for i in range(r))
+            regs = ",".join(f"${r + i}" for i in range(4))
+            # A from registers: no transpose of A; scale-d a predicate, as mma_async's
+            text = (f"{{ .reg .pred p; setp.ne.b32 p, ${r + 5}, 0;\n"
+                    f"wgmma.mma_async.sync.aligned.m64n{2 * r}k16.f32.{kind}.{kind} "
+                    f"{{{outs}}}, {{{regs}}}, ${r + 4}, p, 1, 1, 0; }}")
+            constraints = ",".join(["=f"] * r + ["r"] * 4 + ["l", "r"]
+                                   + [str(i) for i in range(r)])
+
+            def codegen(context, builder, signature, args):
+                ins = [context.cast(builder, builder.extract_value(args[0], i), a.dtype,
+                                    types.uint32) for i in range(4)]
+                ins += [context.cast(builder, args[1], signature.args[1], types.uint64),
+                        ir.Constant(I32, 1)]
+                ins += [builder.extract_value(args[2], i) for i in range(r)]
+                res = inline_ptx(builder, ir.LiteralStructType([F32] * r), text, constraints, ins)
+                return context.make_tuple(builder, signature.return_type,
+                                          [builder.extract_value(res, i) for i in range(r)])
+
+            return acc(a, desc_b, acc), codegen
+
+        return mma_async_regs
+
+    mma_async_regs_f16 = _make_mma_async_regs("f16")
+    mma_async_regs_bf16 = _make_mma_async_regs("bf16")
 
 
 @device_function

@@ -17,19 +17,23 @@ from numba_kernels.warp import bits_value
 LBO = 128  # the two core matrices along K of a step: 128 bytes apart
 
 
-def make_chain(n, steps, dtype, swizzle=0):
+def make_chain(n, steps, dtype, swizzle=0, regs=False):
     """A 128-thread kernel: A (64, 16 steps) and B^T (n, 16 steps), as operand_image lays
     them out (swizzled: steps = 4, rows of 128 bytes), copied to shared memory 1024-byte
     aligned; `steps` wgmma m64nNk16 on one accumulator, step s's operands from word starts[s]
-    of each (step_start); each thread's accumulator to out[t]. Returns (kernel, lbo, sbo)."""
+    of each (step_start), or with regs A from each thread's registers (a_frags[s, t], as
+    a_fragments lays them out); each thread's accumulator to out[t]. Returns (kernel, lbo,
+    sbo)."""
     a_words, b_words = 64 * 8 * steps, n * 8 * steps
     lbo, sbo = (LBO, 256 * steps) if swizzle == 0 else (16, 1024)
     words_size = a_words + b_words + 256  # and room to align to 1024 bytes
     floats = n // 2  # the accumulator's
     mma = warpgroup.mma_async_f16 if dtype == "float16" else warpgroup.mma_async_bf16
+    mma_regs = (warpgroup.mma_async_regs_f16 if dtype == "float16"
+                else warpgroup.mma_async_regs_bf16)
 
     @cuda.jit
-    def chain(image_a, image_b, starts, out):
+    def chain(image_a, image_b, a_frags, starts, out):
         words = cuda.shared.array(words_size, uint32)
         t = cuda.threadIdx.x
         pad = warpgroup.aligned_index(words, 1024)
@@ -43,8 +47,12 @@ def make_chain(n, steps, dtype, swizzle=0):
         warpgroup.wgmma_fence()
         for s in range(steps):
             at = starts[s]
-            acc = mma(warpgroup.descriptor(words, pad + at, lbo, sbo, swizzle),
-                      warpgroup.descriptor(words, pad + a_words + at, lbo, sbo, swizzle), acc)
+            b = warpgroup.descriptor(words, pad + a_words + at, lbo, sbo, swizzle)
+            if regs:
+                acc = mma_regs((a_frags[s, t, 0], a_frags[s, t, 1], a_frags[s, t, 2],
+                                a_frags[s, t, 3]), b, acc)
+            else:
+                acc = mma(warpgroup.descriptor(words, pad + at, lbo, sbo, swizzle), b, acc)
         warpgroup.wgmma_commit()
         warpgroup.wgmma_wait(0)
         for i in range(floats):
@@ -67,14 +75,16 @@ def operands(n, steps, dtype, seed=0):
     return bits, values
 
 
-def run_chain(n, steps, dtype, swizzle=0):
+def run_chain(n, steps, dtype, swizzle=0, regs=False):
     """(the kernel's D, the simulator's rule's D: each step's sum rounded once)."""
-    chain, lbo, sbo = make_chain(n, steps, dtype, swizzle)
+    chain, lbo, sbo = make_chain(n, steps, dtype, swizzle, regs)
     (a_bits, b_bits), (a, b_t) = operands(n, steps, dtype)
     out = np.zeros((128, n // 2), np.float32)
     starts = np.array([warpgroup.step_start(s, lbo, swizzle) // 4 for s in range(steps)])
+    a_frags = np.stack([warpgroup.a_fragments(a_bits[:, 16 * s:16 * s + 16])
+                        for s in range(steps)])
     chain[1, 128](warpgroup.operand_image(a_bits, lbo, sbo, swizzle),
-                  warpgroup.operand_image(b_bits, lbo, sbo, swizzle), starts, out)
+                  warpgroup.operand_image(b_bits, lbo, sbo, swizzle), a_frags, starts, out)
     want = np.zeros((64, n), np.float32)
     for s in range(steps):
         cut = slice(16 * s, 16 * s + 16)
@@ -118,11 +128,26 @@ def test_accumulator_matrix_follows_the_fragment_table():
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the simulator's wgmma")
-@pytest.mark.parametrize("dtype, steps, swizzle", [("float16", 2, 0), ("bfloat16", 2, 0),
-                                                   ("bfloat16", 4, warpgroup.SWIZZLE)])
-def test_the_simulators_wgmma_is_a_b_plus_d(dtype, steps, swizzle):
-    got, want = run_chain(16, steps, dtype, swizzle)
+@pytest.mark.parametrize("dtype, steps, swizzle, regs", [
+    ("float16", 2, 0, False), ("bfloat16", 2, 0, False), ("bfloat16", 4, warpgroup.SWIZZLE, False),
+    ("float16", 4, warpgroup.SWIZZLE, True)])
+def test_the_simulators_wgmma_is_a_b_plus_d(dtype, steps, swizzle, regs):
+    got, want = run_chain(16, steps, dtype, swizzle, regs)
     assert np.array_equal(got, want)
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's wgmma")
+def test_a_fragments_are_mma_syncs_a_fragment_by_warp():
+    """Thread 32 w + 4 g + q holds rows 16 w + g and + 8, columns 2 q, 2 q + 1 and + 8: a
+    layout with two registers swapped (rows g + 8 read as columns + 8) differs."""
+    a = np.arange(64 * 16, dtype=np.uint16).reshape(64, 16)
+    frags = warpgroup.a_fragments(a)
+    t, w, g, q = 32 * 2 + 4 * 5 + 3, 2, 5, 3
+    values = frags[t].view(np.uint16).reshape(4, 2)  # low half first
+    assert values.tolist() == [a[16 * w + g, 2 * q:2 * q + 2].tolist(),
+                               a[16 * w + g + 8, 2 * q:2 * q + 2].tolist(),
+                               a[16 * w + g, 2 * q + 8:2 * q + 10].tolist(),
+                               a[16 * w + g + 8, 2 * q + 8:2 * q + 10].tolist()]
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the simulator's wgmma")
@@ -221,27 +246,29 @@ from numba import cuda, types
 from numba_kernels.numba_internals import compiling_for
 from numba_kernels.ptx_report import ptxas_figures
 import test_warpgroup as T
-chain = T.make_chain(128, 4, sys.argv[1], int(sys.argv[2]))[0]
+chain = T.make_chain(128, 4, sys.argv[1], int(sys.argv[2]), sys.argv[3] == "True")[0]
 arr = types.Array(types.uint32, 1, "C")
 with compiling_for((9, 0)):
-    ptx, _ = cuda.compile_ptx(chain.py_func, (arr, arr, types.Array(types.int64, 1, "C"),
+    ptx, _ = cuda.compile_ptx(chain.py_func, (arr, arr, types.Array(types.uint32, 3, "C"),
+                                              types.Array(types.int64, 1, "C"),
                                               types.Array(types.float32, 2, "C")),
                               cc=(9, 0, "a"))
 print(ptx.count("wgmma.mma_async"), ptxas_figures(ptx, (9, "0a")))
 """
 
 
-@pytest.mark.parametrize("dtype, swizzle", [("float16", 0), ("bfloat16", warpgroup.SWIZZLE)])
-def test_the_kernel_assembles_for_sm_90a(dtype, swizzle):
+@pytest.mark.parametrize("dtype, swizzle, regs", [("float16", 0, False),
+                                                  ("bfloat16", warpgroup.SWIZZLE, True)])
+def test_the_kernel_assembles_for_sm_90a(dtype, swizzle, regs):
     """The same kernel source compiles for the GPU (sm_90a: wgmma exists only there) and
-    ptxas takes it, m64n128k16, without spills."""
+    ptxas takes it, m64n128k16, without spills; A from shared memory or from registers."""
     pytest.importorskip("cuda.bindings", reason="needs the ptx extra (numba-cuda[cu13] and ptxas)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
                PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests"),
                                            os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", ASSEMBLE, dtype, str(swizzle)], capture_output=True,
-                         text=True, env=env, cwd=root, timeout=300)
+    run = subprocess.run([sys.executable, "-c", ASSEMBLE, dtype, str(swizzle), str(regs)],
+                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     count, figures = run.stdout.strip().splitlines()[-1].split(" ", 1)
     assert int(count) == 4, run.stdout  # one product a step
@@ -252,10 +279,12 @@ def test_the_kernel_assembles_for_sm_90a(dtype, swizzle):
 @pytest.mark.skipif(SIMULATOR, reason="a GPU test (pytest -m gpu on a GPU machine)")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("swizzle", [0, warpgroup.SWIZZLE])
-def test_wgmma_on_the_gpu_is_a_b_plus_d_in_the_documented_layouts(dtype, swizzle):
-    """On the H200: m64n128k16, four steps on one accumulator, against NumPy; the tensor
-    cores cut products to the accumulator's ulp, so a few ulps of the sums apart, where a
-    wrong operand or accumulator layout is off by the values themselves."""
-    got, want = run_chain(128, 4, dtype, swizzle)
+@pytest.mark.parametrize("regs", [False, True])
+def test_wgmma_on_the_gpu_is_a_b_plus_d_in_the_documented_layouts(dtype, swizzle, regs):
+    """On the GPU: m64n128k16, four steps on one accumulator, A from shared memory or from
+    registers, against NumPy; the tensor cores cut products to the accumulator's ulp, so a
+    few ulps of the sums apart, where a wrong operand or accumulator layout is off by the
+    values themselves."""
+    got, want = run_chain(128, 4, dtype, swizzle, regs)
     err = float(np.abs(got - want).max())
     assert err <= 1e-5 * float(np.abs(want).max()) * 16, err
