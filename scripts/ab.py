@@ -7,7 +7,9 @@ Each revision runs in a process of its own, from a git worktree of it outside th
 defaults to the working tree as it is). Both run the same calls of the public API
 (flash_attention and flash_attention_backward, by kernel= and precision=) on the same inputs:
 the SIMT and tensor-core forwards in every dtype, float32 on halves, split-KV decoding, the
-plain, tuned and tensor-core backwards. Each call is timed by CUDA events (median of repeats
+plain, tuned and tensor-core backwards, block-sparse forwards (a table of 128 x 128 blocks,
+`block_mask=`, 11.8% or all of them kept, and the boolean mask it stands for). Each call is
+timed by CUDA events (median of repeats
 worth about 0.2 s, after a warm-up call that also compiles), old and new alternating for
 --rounds rounds. Prints, per call: whether the outputs are bitwise equal, each revision's
 median time and new / old. Exit status 1 where an output differs.
@@ -42,7 +44,16 @@ CALLS = {
     "mma bwd fp32 halves": ("bwd", (2, 8, 2048, 2048, 128), "float32",
                             dict(kernel="mma", precision="high")),
     "plain bwd fp32": ("bwd", (1, 4, 512, 512, 64), "float32", dict(kernel="plain")),
+    # blocks: (fraction of 128 x 128 blocks kept, the diagonal always; given as "table"
+    # (block_mask=) or as the boolean "mask" it stands for)
+    "mma bf16 blocks 12%": ("fwd", (1, 16, 8192, 8192, 128), "bfloat16",
+                            dict(kernel="mma", blocks=(0.118, "table"))),
+    "mma bf16 blocks all": ("fwd", (1, 16, 8192, 8192, 128), "bfloat16",
+                            dict(kernel="mma", blocks=(1.0, "table"))),
+    "mma bf16 mask 12%": ("fwd", (1, 16, 8192, 8192, 128), "bfloat16",
+                          dict(kernel="mma", blocks=(0.118, "mask"))),
 }
+BLOCK = 128  # the block-sparse calls' block size
 FORWARD_OF = {"tuned": "simt", "plain": "simt", "mma": "mma"}
 
 
@@ -130,6 +141,8 @@ def run_calls(root, results, names, quick):
         dt = getattr(torch, dtype)
         q = torch.randn(b, h, n_q, d, device="cuda", generator=g).to(dt)
         k, v = (torch.randn(b, h, n_k, d, device="cuda", generator=g).to(dt) for _ in "kv")
+        if "blocks" in options:
+            options = block_options(options, n_q, n_k, g)
         if fn == "fwd":
             call = lambda: nk.flash_attention(q, k, v, return_lse=True, **options)  # noqa: E731
         elif fn == "fwd-plain":
@@ -150,6 +163,22 @@ def run_calls(root, results, names, quick):
     with open(results + ".json", "w") as f:
         json.dump(times, f)
     return 0
+
+
+def block_options(options, n_q, n_k, generator):
+    """options with its `blocks` (density, form) made into block_mask= and block_size=, or
+    mask= (the boolean mask of those blocks), on the GPU."""
+    import torch
+
+    density, form = options["blocks"]
+    rows, cols = -(-n_q // BLOCK), -(-n_k // BLOCK)
+    table = torch.rand(rows, cols, device="cuda", generator=generator) < density
+    table[torch.arange(min(rows, cols)), torch.arange(min(rows, cols))] = True
+    rest = {k: v for k, v in options.items() if k != "blocks"}
+    if form == "table":
+        return dict(rest, block_mask=table[None, None], block_size=BLOCK)
+    mask = table.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n_q, :n_k]
+    return dict(rest, mask=mask[None, None].contiguous())
 
 
 def median_ms(call, target_s=0.2):

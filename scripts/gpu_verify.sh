@@ -36,7 +36,7 @@ if step ab && [[ -n "${AB_OLD:-}" ]]; then  # AB_OLD: the older git revision (sc
 fi
 pids=()
 if step check; then
-  (timeout "${JOB_TIMEOUT:-420}" python3 -m pytest -q -m gpu tests/test_gpu.py > "$OUT/check.log" 2>&1;
+  (timeout "${JOB_TIMEOUT:-420}" python3 -m pytest -q -m gpu tests/ > "$OUT/check.log" 2>&1;
    echo "pytest -m gpu rc=$?" >> "$OUT/check.log") &
   pids+=($!)
 fi

@@ -152,6 +152,7 @@ def make_box_copy(box_words):
 BOX_ROOM = 64 * 64 // 2 + 256
 
 
+@pytest.mark.gpu  # and in the simulator: the same test
 @pytest.mark.parametrize("row, col, box, swizzle", [(0, 0, (64, 64), 0), (40, 24, (32, 64), 128),
                                                     (70, 96, (16, 32), 0), (8, 64, (64, 64), 128)])
 def test_a_tma_box_lands_as_box_image_says(row, col, box, swizzle):
@@ -214,6 +215,7 @@ def make_tma_wgmma(dtype):
     return tma_wgmma
 
 
+@pytest.mark.gpu  # and in the simulator: the same test
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_tiles_loaded_by_tma_multiply_by_wgmma(dtype):
     from tests.test_warpgroup import operands
