@@ -222,10 +222,12 @@ TileWalk = namedtuple("TileWalk", "walk_range walk_steps step_tile tile_start re
 
 def make_tile_walk(HAS_MASK, BLOCK_N):
     """The walk of a kernel's loop over one side's tiles of BLOCK_N (a forward's or dQ's key
-    tiles; dK, dV's query tiles), `for t in range(t0, t1, STEP)`: with a mask, the steps
-    index the tile's visible list (only the tiles the mask does not skip, in order; STEP 1);
-    without, t is the first key of each tile of the band (STEP BLOCK_N: the loop the unmasked
-    variants had before the lists, which ptxas compiles without spills). A TileWalk."""
+    tiles; dK, dV's query tiles), `for t in range(t0, t1, STEP)` (walk_range), or to the
+    list's end with a break at the first tile at or past `last` (walk_steps: the tensor-core
+    forward's): with a mask, the steps index the tile's visible list (only the tiles the mask
+    does not skip, in order; STEP 1); without, t is the first key of each tile of the band
+    (STEP BLOCK_N: the loop the unmasked variants had before the lists, which ptxas compiles
+    without spills). A TileWalk."""
     STEP = 1 if HAS_MASK else BLOCK_N
 
     @kernel_part

@@ -19,10 +19,11 @@ from .common import (ARGS, FASTMATH, F_LN2, NEG_INF, NO_PART, ZERO, bias_given, 
 from .compile_cache import jit
 from .convert import CONVERTERS, float32, int64, uint32
 from .mma_parts import (BLOCK_M, BLOCK_N, EXPONENT_BITS, FACTORS, FLAG_ROWS,
-                        MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, THREADS, WARPS, halves_ship, make_copy_kv,
-                        make_copy_tile, make_load_q_fragments, make_next_tile, make_pv,
-                        make_pv_seen_pairs, make_q_scores, make_scale_and_mask, make_scores,
-                        make_unpacked, own_flagged, row_max, tiles_flagged, word_nonfinite)
+                        MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, THREADS, WARPS, halves_ship,
+                        make_copy_kv, make_copy_tile, make_load_q_fragments, make_next_tile,
+                        make_pv, make_pv_seen_pairs, make_q_scores, make_scale_and_mask,
+                        make_scores, make_unpacked, own_flagged, row_max, tiles_flagged,
+                        word_nonfinite)
 from .schedule import grid_order_grouped, key_range_device, key_tiles
 
 DEFERRED = ("deferred", "flags", "(splits * B, Hq, query tiles) uint8: 1 where a block of the "
@@ -41,7 +42,7 @@ MMA_ARGS = tuple(x for a in ARGS if a[0] != "n_tiles"
 
 MMA_ARG_NAMES = tuple(name for name, _, _ in MMA_ARGS)
 ONE = float32(1.0)
-MASKED_BLOCKS_PER_SM = 3  # launch_bounds': 65536 registers / (3 * 128) -> 168 a thread
+FULL_TILES_BLOCKS_PER_SM = 3  # launch_bounds': 65536 registers / (3 * 128) -> 168 a thread
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class MmaSpec:
         spilling a few bytes (ptx_report.BOUNDED_SPILL). The variants that read a mask or a
         bias would spill more: unbounded."""
         if self.full_tiles and self.d == self.dv == 128:
-            return (THREADS, MASKED_BLOCKS_PER_SM)
+            return (THREADS, FULL_TILES_BLOCKS_PER_SM)
         return None
 
     @property

@@ -52,7 +52,8 @@ def _with_visible(args, meaning):
 MMA_DKDV_ARGS = _with_flags(_with_visible(
     DKDV_ARGS, "int32 (B or 1, Hq or 1, key tiles of BLOCK, 2 + query tiles of qb): each key "
     "tile's count of query tiles the mask does not skip, then those tiles, 2 i + 1 where "
-    "partly visible, 2 i where fully, then 2 * query tiles; read with a mask"), "dk", "q", "dout", "k")
+    "partly visible, 2 i where fully, then 2 * query tiles; read with a mask"),
+    "dk", "q", "dout", "k")
 MMA_DQ_ARGS = _with_flags(_with_visible(
     DQ_ARGS, "int32 (B or 1, Hq or 1, query tiles of BLOCK, 2 + key tiles of KEY_TILE): the "
     "forward's lists (ARGS), at this kernel's tiles; read with a mask"), "dq", "k", "q")

@@ -11,10 +11,11 @@ for the compute capability, then `ptxas -v`, which reports registers, spills, st
 shared memory. A variant fails when it spills, needs a stack frame (arrays that fell out of
 registers into local memory; the plain kernels keep a row or a key there by design, so for
 them only the rest counts; a variant compiled with launch bounds, which ask ptxas for a
-register count that gives more blocks an SM, may spill up to BOUNDED_SPILL bytes each way), uses more static shared memory than 48 KB (or more dynamic
-shared memory, the tuned backward's larger tiles, than the 227 KB a block may take), or has
-a float64 instruction in its PTX (a bare Python float turns float32 arithmetic into
-float64). The CUDA simulator cannot show any of this.
+register count that gives more blocks an SM, may spill up to BOUNDED_SPILL bytes each way),
+uses more static shared memory than 48 KB (or more dynamic shared memory, the tuned
+backward's larger tiles, than the 227 KB a block may take), or has a float64 instruction in
+its PTX (a bare Python float turns float32 arithmetic into float64). The CUDA simulator
+cannot show any of this.
 Exit code 0 only when every variant passes.
 
 Each variant's figures are cached (FLASH_PTX_CACHE, default ~/.cache/flash-conformance/ptx)

@@ -368,57 +368,34 @@ else:
 
     setmaxnreg_inc, setmaxnreg_dec = _setmaxnreg("inc"), _setmaxnreg("dec")
 
-    def _make_mma_async(kind):
+    def _make_mma_async(kind, regs):
+        """The m64nNk16 intrinsic of 16-bit type `kind`: A through a descriptor, or with regs
+        from four uint32 registers a thread (then without A's transpose flag)."""
         @intrinsic
-        def mma_async(typingctx, desc_a, desc_b, acc):
-            if not isinstance(acc, types.UniTuple) or acc.dtype != types.float32:
-                return None
-            r = acc.count
-            _check_shape(2 * r)
-            outs = ",".join(f"${i}" for i in range(r))
-            # scale-d is a predicate: p = (1 != 0), D accumulates
-            text = (f"{{ .reg .pred p; setp.ne.b32 p, ${r + 2}, 0;\n"
-                    f"wgmma.mma_async.sync.aligned.m64n{2 * r}k16.f32.{kind}.{kind} "
-                    f"{{{outs}}}, ${r}, ${r + 1}, p, 1, 1, 0, 0; }}")
-            constraints = ",".join(["=f"] * r + ["l", "l", "r"] + [str(i) for i in range(r)])
-
-            def codegen(context, builder, signature, args):
-                ins = [context.cast(builder, v, ty, types.uint64)
-                       for v, ty in zip(args[:2], signature.args[:2])]
-                ins += [ir.Constant(I32, 1)] + [builder.extract_value(args[2], i)
-                                                 for i in range(r)]
-                res = inline_ptx(builder, ir.LiteralStructType([F32] * r), text, constraints, ins)
-                return context.make_tuple(builder, signature.return_type,
-                                          [builder.extract_value(res, i) for i in range(r)])
-
-            return acc(desc_a, desc_b, acc), codegen
-
-        return mma_async
-
-    mma_async_f16 = _make_mma_async("f16")
-    mma_async_bf16 = _make_mma_async("bf16")
-
-    def _make_mma_async_regs(kind):
-        @intrinsic
-        def mma_async_regs(typingctx, a, desc_b, acc):
-            if not isinstance(acc, types.UniTuple) or acc.dtype != types.float32 or not (
+        def mma_async(typingctx, a, desc_b, acc):
+            if not isinstance(acc, types.UniTuple) or acc.dtype != types.float32 or (regs and not (
                     isinstance(a, types.UniTuple) and a.count == 4
-                    and isinstance(a.dtype, types.Integer)):
+                    and isinstance(a.dtype, types.Integer))):
                 return None
             r = acc.count
             _check_shape(2 * r)
+            n_a = 4 if regs else 1  # A's operands
             outs = ",".join(f"${i}" for i in range(r))
-            regs = ",".join(f"${r + i}" for i in range(4))
-            # A from registers: no transpose of A; scale-d a predicate, as mma_async's
-            text = (f"{{ .reg .pred p; setp.ne.b32 p, ${r + 5}, 0;\n"
+            a_text = "{" + ",".join(f"${r + i}" for i in range(4)) + "}" if regs else f"${r}"
+            flags = "1, 1, 0" if regs else "1, 1, 0, 0"  # scale A, scale B, transposes
+            # scale-d is a predicate: p = (1 != 0), D accumulates
+            text = (f"{{ .reg .pred p; setp.ne.b32 p, ${r + n_a + 1}, 0;\n"
                     f"wgmma.mma_async.sync.aligned.m64n{2 * r}k16.f32.{kind}.{kind} "
-                    f"{{{outs}}}, {{{regs}}}, ${r + 4}, p, 1, 1, 0; }}")
-            constraints = ",".join(["=f"] * r + ["r"] * 4 + ["l", "r"]
+                    f"{{{outs}}}, {a_text}, ${r + n_a}, p, {flags}; }}")
+            constraints = ",".join(["=f"] * r + (["r"] * 4 if regs else ["l"]) + ["l", "r"]
                                    + [str(i) for i in range(r)])
 
             def codegen(context, builder, signature, args):
-                ins = [context.cast(builder, builder.extract_value(args[0], i), a.dtype,
-                                    types.uint32) for i in range(4)]
+                if regs:
+                    ins = [context.cast(builder, builder.extract_value(args[0], i), a.dtype,
+                                        types.uint32) for i in range(4)]
+                else:
+                    ins = [context.cast(builder, args[0], signature.args[0], types.uint64)]
                 ins += [context.cast(builder, args[1], signature.args[1], types.uint64),
                         ir.Constant(I32, 1)]
                 ins += [builder.extract_value(args[2], i) for i in range(r)]
@@ -428,10 +405,11 @@ else:
 
             return acc(a, desc_b, acc), codegen
 
-        return mma_async_regs
+        return mma_async
 
-    mma_async_regs_f16 = _make_mma_async_regs("f16")
-    mma_async_regs_bf16 = _make_mma_async_regs("bf16")
+    mma_async_f16, mma_async_bf16 = _make_mma_async("f16", False), _make_mma_async("bf16", False)
+    mma_async_regs_f16 = _make_mma_async("f16", True)
+    mma_async_regs_bf16 = _make_mma_async("bf16", True)
 
 
 @device_function

@@ -1,16 +1,13 @@
 """tma.py: bulk copies landing on transaction barriers, as a producer warp filling a ring of
 two stages for 128 consumer threads (FlashAttention-3's K and V loads in miniature), in the
 simulator and on the H200; the kernel assembles for sm_90a; misuse is an error."""
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from numba import cuda
 
 from numba_kernels import tma, warpgroup
 from numba_kernels.convert import SIMULATOR, uint32, uint64
+from tests.assembly import run_compiler_script
 
 CONSUMERS, STAGES, TILE = 128, 2, 128  # a tile: 128 float32, one a consumer
 TILE_BYTES, RING_WORDS = TILE * 4, STAGES * TILE
@@ -99,17 +96,10 @@ for kernel, sig, instruction in ((T.make_ring(), (u32, types.int64, u64), "cp.as
 
 
 def test_the_kernels_assemble_for_sm_90a():
-    pytest.importorskip("cuda.bindings", reason="needs the ptx extra (numba-cuda[cu13] and ptxas)")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
-               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests"),
-                                           os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", ASSEMBLE], capture_output=True, text=True,
-                         env=env, cwd=root, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    for line, copies in zip(run.stdout.strip().splitlines()[-2:], (1, 2)):
+    out = run_compiler_script(ASSEMBLE)
+    for line, copies in zip(out.strip().splitlines()[-2:], (1, 2)):
         count, figures = line.split(" ", 1)
-        assert int(count) == copies and "'spill_stores': 0" in figures, run.stdout
+        assert int(count) == copies and "'spill_stores': 0" in figures, out
 
 
 @pytest.mark.gpu

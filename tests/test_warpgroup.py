@@ -2,10 +2,6 @@
 are checked against their definitions, the simulator's product against NumPy through a kernel
 that runs unchanged on the H200 (test_gpu.py's twin below), and the kernel assembles for
 sm_90a."""
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from numba import cuda
@@ -13,6 +9,7 @@ from numba import cuda
 from numba_kernels import warpgroup
 from numba_kernels.convert import SIMULATOR, uint32
 from numba_kernels.warp import bits_value
+from tests.assembly import run_compiler_script
 
 LBO = 128  # the two core matrices along K of a step: 128 bytes apart
 
@@ -215,29 +212,24 @@ from numba_kernels.ptx_report import find_ptxas
 import test_warpgroup as T
 for bounds in ((256, 1), None):
     with compiling_for((9, 0)):
-        ptx, _ = cuda.compile_ptx(T.make_specialized().py_func, (types.Array(types.int32, 1, "C"),),
-                                  cc=(9, 0, "a"), launch_bounds=bounds)
+        ptx, _ = cuda.compile_ptx(T.make_specialized().py_func,
+                                  (types.Array(types.int32, 1, "C"),), cc=(9, 0, "a"),
+                                  launch_bounds=bounds)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
         run = subprocess.run([find_ptxas(), "-arch=sm_90a", "-v", f.name, "-o", f.name + ".cubin"],
                              capture_output=True, text=True)
-    print(bounds is not None, run.returncode, ptx.count("setmaxnreg."), "C7508" in run.stderr + run.stdout)
+    print(bounds is not None, run.returncode, ptx.count("setmaxnreg."),
+          "C7508" in run.stderr + run.stdout)
 """
 
 
 def test_setmaxnreg_assembles_and_needs_launch_bounds():
     """With launch bounds ptxas keeps both instructions; without, it ignores them (its
     message C7508: no register count known at entry), which warpgroup.py's docstring says."""
-    pytest.importorskip("cuda.bindings", reason="needs the ptx extra (numba-cuda[cu13] and ptxas)")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
-               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests"),
-                                           os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", SPECIALIZED], capture_output=True, text=True,
-                         env=env, cwd=root, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split("\n")[-3:-1] == ["True 0 2 False", "False 0 2 True"], run.stdout
+    out = run_compiler_script(SPECIALIZED)
+    assert out.split("\n")[-3:-1] == ["True 0 2 False", "False 0 2 True"], out
 
 
 ASSEMBLE = """
@@ -262,16 +254,9 @@ print(ptx.count("wgmma.mma_async"), ptxas_figures(ptx, (9, "0a")))
 def test_the_kernel_assembles_for_sm_90a(dtype, swizzle, regs):
     """The same kernel source compiles for the GPU (sm_90a: wgmma exists only there) and
     ptxas takes it, m64n128k16, without spills; A from shared memory or from registers."""
-    pytest.importorskip("cuda.bindings", reason="needs the ptx extra (numba-cuda[cu13] and ptxas)")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0",
-               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests"),
-                                           os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, "-c", ASSEMBLE, dtype, str(swizzle), str(regs)],
-                         capture_output=True, text=True, env=env, cwd=root, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    count, figures = run.stdout.strip().splitlines()[-1].split(" ", 1)
-    assert int(count) == 4, run.stdout  # one product a step
+    out = run_compiler_script(ASSEMBLE, dtype, str(swizzle), str(regs))
+    count, figures = out.strip().splitlines()[-1].split(" ", 1)
+    assert int(count) == 4, out  # one product a step
     assert "'spill_stores': 0" in figures and "'stack_frame': 0" in figures, figures
 
 
