@@ -10,6 +10,7 @@ from .arrays import (band, begin, block_table, dtype_of, is_cpu_tensor, masked, 
 from .common import kernel_args
 from .flash_fwd import KernelSpec
 from .flash_mma import MMA_ARG_NAMES, MmaSpec, mma_kernel
+from .flash_wgmma import KEYS as WGMMA_KEYS, WgmmaSpec, wgmma_kernel
 from .launch import launch
 from .mma_parts import (BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, full_tiles_apply,
                         mma_width as pad_mma)
@@ -82,10 +83,10 @@ def _planned(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec
     BlockTable, or None)."""
     plan = call_plan(pb, kernel, spec, masked(mask, bias, blocks), precision,
                      dict(q=q, k=k, v=v))
-    if plan.kernel == "mma":
+    if plan.kernel in ("mma", "wgmma"):
         mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits,
                     halves_summed(pb.dtype, plan.precision), float32_out=float32_out,
-                    blocks=blocks)
+                    blocks=blocks, wgmma=plan.kernel == "wgmma")
     else:
         simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec,
                      float32_out=float32_out, blocks=blocks)
@@ -224,24 +225,26 @@ def mma_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
 
 
 def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, summed,
-                float32_out=False, blocks=None):
+                float32_out=False, blocks=None, wgmma=False):
     """The tensor-core kernel (flash_mma.py) into out and lse, split-KV merged: its fast
     variant, then its careful variant for the blocks the fast one deferred (a row that
     ended non-finite, or, float32, a Q or K tile holding a NaN or an inf; most often none,
     and its blocks return at once). float32 goes through halves.py's pre-pass first;
     summed: its variants that sum each step's products apart (precision "highest");
     float32_out: out is float32 for any input dtype (the partials' variants); blocks: a
-    BlockTable or None."""
+    BlockTable or None; wgmma: the fast variant is flash_wgmma.py's (16-bit inputs; its
+    key tiles of WGMMA_KEYS have visible lists of their own, and splits hold whole ones)."""
     if pb.batch * pb.heads_q * pb.n_q > 0:
         q_tiles = -(-pb.n_q // MMA_BLOCK_M)
-        n_splits, split_len = _splits(pb, q_tiles * pb.batch * pb.heads_q, MMA_BLOCK_N,
-                                      num_splits)
+        n_splits, split_len = _splits(pb, q_tiles * pb.batch * pb.heads_q,
+                                      WGMMA_KEYS if wgmma else MMA_BLOCK_N, num_splits)
         mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
         has_mask = masked(mask, bias, blocks)
-        mask_dev, steps, blocks = fit_blocks(io, pb, mask_dev, steps, blocks,
-                                             [(MMA_BLOCK_M, MMA_BLOCK_N)])
-        visible = list_prepass(io, class_prepass(io, pb, mask_dev, steps["mask_steps"],
-                                                 has_mask, MMA_BLOCK_M, MMA_BLOCK_N, blocks))
+        tiles = [(MMA_BLOCK_M, n) for n in ((MMA_BLOCK_N, WGMMA_KEYS) if wgmma
+                                            else (MMA_BLOCK_N,))]
+        mask_dev, steps, blocks = fit_blocks(io, pb, mask_dev, steps, blocks, tiles)
+        visible = [list_prepass(io, class_prepass(io, pb, mask_dev, steps["mask_steps"],
+                                                  has_mask, m, n, blocks)) for m, n in tiles]
         dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
         deferred = io.scratch((n_splits * pb.batch, pb.heads_q, q_tiles))
         named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v))
@@ -250,18 +253,23 @@ def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, s
             del flags["v_flags"]  # a V tile's NaN or inf: the careful variant's own test
         else:  # not read by the 16-bit variants
             flags = dict(q_flags=deferred, k_flags=deferred, factors=io.flat(io.dev(dest[1])))
-        args = kernel_args(
-            MMA_ARG_NAMES, **named, **flags, mask=mask_dev, visible=visible, bias=bias_dev,
+        args = [kernel_args(
+            MMA_ARG_NAMES, **named, **flags, mask=mask_dev, visible=lists, bias=bias_dev,
             kv_lengths=lengths, deferred=deferred, out=io.dev(dest[0]), lse=io.dev(dest[1]),
             n_q=pb.n_q, d=pb.d, d_v=pb.dv, group=pb.group, heads_q=pb.heads_q,
-            split_len=split_len, **band(pb), **steps)
+            split_len=split_len, **band(pb), **steps) for lists in visible]
         full = full_tiles_apply(pb.dtype, blocks is not None, blocks is not None and
                                 blocks.masked, bias is not None)
+        partial = n_splits > 1 or _unrounded(pb, float32_out)
         for careful in (False, True):  # the careful variant reads the all-true mask
-            spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype, has_mask,
-                           n_splits > 1 or _unrounded(pb, float32_out), careful, summed,
-                           full and not careful)
-            launch(mma_kernel(spec), spec, (q_tiles, pb.batch * pb.heads_q, n_splits), 128,
-                   io.stream, *args, shared=spec.dynamic_shared_bytes)
+            if wgmma and not careful:
+                spec = WgmmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype, has_mask, partial)
+                kernel, call_args = wgmma_kernel(spec), args[-1]
+            else:
+                spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype, has_mask, partial,
+                               careful, summed, full and not careful)
+                kernel, call_args = mma_kernel(spec), args[0]
+            launch(kernel, spec, (q_tiles, pb.batch * pb.heads_q, n_splits), 128,
+                   io.stream, *call_args, shared=spec.dynamic_shared_bytes)
         if n_splits > 1:
             _merge(io, pb, dest, out, lse, n_splits, float32_out)

@@ -10,11 +10,13 @@ import numpy as np
 
 from reference.contract import BLOCK_SIZE, check_attention_args, check_block_mask
 from .mma_parts import (BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, HALVES_MASK_WIDTH,
-                        MMA_INPUT_DTYPES, MMA_WIDTHS, full_tiles_apply, halves_ship)
+                        MMA_DTYPES, MMA_INPUT_DTYPES, MMA_WIDTHS, full_tiles_apply,
+                        halves_ship)
+from .flash_wgmma import KEYS as WGMMA_KEYS
 from .prepass import table_fits
 from .specs import DTYPES, choose_spec
 
-KERNELS = ("simt", "mma", "auto")  # the forward's kernel=
+KERNELS = ("simt", "mma", "wgmma", "auto")  # the forward's kernel=
 BACKWARD_KERNELS = ("plain", "tuned", "mma", "auto")  # the backward's kernel=
 # the backward kernel that follows each forward kernel: "tuned" rounds its scores as the SIMT
 # forward does, "mma" recomputes the forward's bit for bit
@@ -95,7 +97,8 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
     if sizes is None:
         return plan
     simt = spec or choose_spec(pb.d, pb.dv, pb.dtype, True)
-    tile = (MMA_BLOCK_M, MMA_BLOCK_N) if plan.kernel == "mma" else (simt.block_m, simt.block_n)
+    tile = {"mma": (MMA_BLOCK_M, MMA_BLOCK_N), "wgmma": (MMA_BLOCK_M, WGMMA_KEYS)}.get(
+        plan.kernel, (simt.block_m, simt.block_n))
     note = block_note(sizes, tile, block_mask, mask)
     if plan.kernel == "mma" and full_tiles_apply(pb.dtype, table_read(sizes, tile, block_mask,
                                                                       mask),
@@ -146,6 +149,12 @@ def shape_plan(pb, kernel, spec, has_mask, precision):
     mask or bias is given; precision: resolve_precision's)."""
     if kernel == "simt":
         return Plan("simt", "asked for", "highest")
+    if kernel == "wgmma":
+        why_not = wgmma_why_not(pb, spec)
+        if why_not:
+            raise ValueError(f"kernel='wgmma': {why_not}")
+        return Plan("wgmma", "asked for (its fast variant; blocks with a row that ends "
+                    "non-finite are done again by the mma kernel's careful one)", "highest")
     why_not = mma_plan(pb, has_mask)
     if why_not is None and spec is not None:
         why_not = "a spec (a variant of the SIMT kernel) was given"
@@ -277,6 +286,35 @@ def call_plan(pb, kernel, spec, has_mask, precision, named):
     if kernel == "mma":
         raise ValueError(f"kernel='mma': {why_not}")
     return Plan("simt", f"the tensor-core kernel does not apply: {why_not}", "highest")
+
+
+def wgmma_why_not(pb, spec=None):
+    """Why the wgmma forward (flash_wgmma.py) does not apply to problem pb, or None: float16
+    and bfloat16 inputs, head dims as mma_plan's, no spec of the SIMT kernel, and a GPU of
+    compute capability 9.0 (Hopper; the simulator runs it anywhere)."""
+    if pb.dtype not in MMA_DTYPES:
+        return f"dtype {pb.dtype}: it takes {', '.join(MMA_DTYPES)}"
+    why_not = mma_plan(pb)
+    if why_not is None and spec is not None:
+        why_not = "a spec (a variant of the SIMT kernel) was given"
+    return why_not or hopper_why_not()
+
+
+def hopper_why_not():
+    """Why this process's GPU cannot run wgmma (sm_90a alone has it), or None; the
+    simulator runs it."""
+    from .convert import SIMULATOR
+
+    if SIMULATOR:
+        return None
+    from numba import cuda
+
+    if not cuda.is_available():
+        return "no CUDA GPU (wgmma needs compute capability 9.0, Hopper)"
+    cc = cuda.get_current_device().compute_capability
+    if tuple(cc) != (9, 0):
+        return f"wgmma needs compute capability 9.0 (Hopper); this GPU's is {cc[0]}.{cc[1]}"
+    return None
 
 
 def mma_plan(pb, has_mask=False):

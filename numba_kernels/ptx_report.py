@@ -121,7 +121,8 @@ def read_record(path=RECORD):
 
 
 def ptxas_figures(ptx, cc=(9, 0), ptxas=None):
-    """What `ptxas -v` says of one PTX module: registers, spill stores and loads, stack frame,
+    """What `ptxas -v` says of one PTX module for compute capability cc ((9, 0), or
+    (9, 0, "a") for sm_90a's own instructions): registers, spill stores and loads, stack frame,
     shared bytes, and the count of .f64 instructions in the PTX. RuntimeError with ptxas's
     message when it rejects the module."""
     ptxas = ptxas or find_ptxas()
@@ -129,7 +130,7 @@ def ptxas_figures(ptx, cc=(9, 0), ptxas=None):
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        run = subprocess.run([ptxas, f"-arch=sm_{cc[0]}{cc[1]}", "-v", path, "-o",
+        run = subprocess.run([ptxas, "-arch=sm_" + "".join(map(str, cc)), "-v", path, "-o",
                               path + ".cubin"], capture_output=True, text=True)
     text = run.stdout + run.stderr
     if run.returncode != 0:
@@ -157,7 +158,7 @@ def check_variant(args):
         ptx = compile_ptx(spec, cc)
     name = f"merge_splits({spec})" if isinstance(spec, str) else repr(spec)
     try:
-        row = dict(spec=name, **ptxas_figures(ptx, cc, ptxas))
+        row = dict(spec=name, **ptxas_figures(ptx, getattr(spec, "cc", cc), ptxas))
     except RuntimeError as e:
         return dict(spec=name, ok=False, error=str(e))
     # the plain kernels keep a row (or a key) in local memory by design

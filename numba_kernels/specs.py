@@ -19,6 +19,8 @@ from .flash_fwd import KernelSpec, kernel_source
 from .flash_mma import MMA_ARGS, MmaSpec, mma_kernel, mma_specs
 from .mma_parts import BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N
 from .flash_mma import kernel_source as mma_kernel_source
+from .flash_wgmma import KEYS as WGMMA_KEYS, WgmmaSpec, wgmma_kernel, wgmma_specs
+from .flash_wgmma import kernel_source as wgmma_kernel_source
 from .flash_mma_bwd import (BLOCK as MMA_BWD_BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec,
                             ScanSpec, mma_bwd_kernel, mma_bwd_source, mma_bwd_specs,
                             scan_kernel, scan_source)
@@ -93,7 +95,7 @@ def gate_specs():
     """Every variant a call can launch, of every kernel: what the PTX gate compiles (the
     plain kernels and the delta kernel at each padded width pad() gives, the merges by dtype)."""
     return (shipped_specs() + list(DTYPES) + plain_specs(HEAD_DIMS) + plain_bwd_specs(HEAD_DIMS)
-            + bwd_specs() + mma_specs() + mma_bwd_specs() + classes_specs())
+            + bwd_specs() + mma_specs() + wgmma_specs() + mma_bwd_specs() + classes_specs())
 
 
 def classes_specs():
@@ -102,7 +104,7 @@ def classes_specs():
     the tensor-core dK, dV kernel's), and the pre-passes that make their classes into visible
     lists, by query tile and by key tile."""
     sizes = {(s.block_m, s.block_n) for s in shipped_specs() if s.has_mask}
-    sizes |= {(MMA_BLOCK_M, MMA_BLOCK_N)}
+    sizes |= {(MMA_BLOCK_M, MMA_BLOCK_N), (MMA_BLOCK_M, WGMMA_KEYS)}
     sizes |= {(s.qb, MMA_BWD_BLOCK) for s in mma_bwd_specs()
               if isinstance(s, MmaBwdSpec) and s.has_mask}
     return [ClassesSpec(m, n, words) for m, n in sorted(sizes) for words in (False, True)] + [
@@ -261,6 +263,9 @@ def _variant(spec):
     if isinstance(spec, MmaSpec):
         return (lambda: mma_kernel_source(spec), lambda: mma_kernel(spec),
                 mma_signature(spec))
+    if isinstance(spec, WgmmaSpec):  # flash_mma's arguments
+        return (lambda: wgmma_kernel_source(spec), lambda: wgmma_kernel(spec),
+                mma_signature(spec))
     if isinstance(spec, ScanSpec):
         return (lambda: scan_source(spec), lambda: scan_kernel(spec), scan_signature(spec))
     if isinstance(spec, ClassesSpec):
@@ -285,11 +290,13 @@ def compiled(spec):
 
 def variants(forward, backward=None):
     """The variants calls of one of our implementations can launch, for warming the cache
-    before a run: forward "simt" (flash_attention(kernel="simt")), "plain" or "mma", with the
+    before a run: forward "simt" (flash_attention(kernel="simt")), "plain", "mma" or "wgmma",
+    with the
     split-KV merges; backward None, "plain", "tuned" or "mma" (with the delta kernel; "mma"
     with the pre-pass that flags tiles holding a NaN or an inf)."""
     fwd = {"simt": shipped_specs() + classes_specs(), "plain": plain_specs(HEAD_DIMS),
-           "mma": mma_specs() + halves_specs() + classes_specs()}
+           "mma": mma_specs() + halves_specs() + classes_specs(),
+           "wgmma": wgmma_specs() + [s for s in mma_specs() if s.careful] + classes_specs()}
     bwd = [] if backward is None else [s for s in plain_bwd_specs(HEAD_DIMS)
                                        if s.part == "delta" or backward == "plain"]
     if backward == "tuned":
@@ -314,5 +321,5 @@ def compile_ptx(spec, cc=(9, 0)):
     numba_internals.compiling_for(cc): for the ptxas report (ptx_report.py), in processes of
     its own."""
     source, _, types = _variant(spec)
-    return cuda.compile_ptx(source(), types, cc=cc, fastmath=FASTMATH,
+    return cuda.compile_ptx(source(), types, cc=getattr(spec, "cc", cc), fastmath=FASTMATH,
                             launch_bounds=getattr(spec, "launch_bounds", None))[0]

@@ -163,6 +163,16 @@ if SIMULATOR:
         _check_shape(2 * n)
         return (np.float32(0),) * n
 
+    def fragment_tuple(fragment, n):
+        """The first n values (a literal) of a local array, in C order, as a tuple: an
+        accumulator for the products, from the fragment array the kernel's other parts
+        index."""
+        return tuple(fragment.reshape(-1)[:n])
+
+    def fragment_store(fragment, values):
+        """A tuple's values into the first len(values) elements of a local array, C order."""
+        fragment.reshape(-1)[:len(values)] = values
+
     def fence_proxy_async():
         pass
 
@@ -314,6 +324,45 @@ else:
                                       [ir.Constant(F32, 0.0)] * n.literal_value)
 
         return sig, codegen
+
+    def _flat_element(context, builder, array_type, array, i):
+        """A pointer to element i (C order) of a C-contiguous array."""
+        data = context.make_array(array_type)(context, builder, array).data
+        return builder.gep(data, [ir.Constant(I64, i)])
+
+    @intrinsic
+    def fragment_tuple(typingctx, fragment, n):
+        """The first n values (a literal) of a C-contiguous local array as a tuple: an
+        accumulator for the products, from the fragment array the kernel's other parts index
+        (constant indices: registers after LLVM's scalar replacement)."""
+        if not (isinstance(n, types.IntegerLiteral) and isinstance(fragment, types.Array)
+                and fragment.layout == "C"):
+            return None
+        count = n.literal_value
+        sig = types.UniTuple(fragment.dtype, count)(fragment, n)
+
+        def codegen(context, builder, signature, args):
+            return context.make_tuple(builder, signature.return_type, [
+                builder.load(_flat_element(context, builder, signature.args[0], args[0], i))
+                for i in range(count)])
+
+        return sig, codegen
+
+    @intrinsic
+    def fragment_store(typingctx, fragment, values):
+        """A tuple's values into the first len(values) elements of a C-contiguous local array
+        (C order)."""
+        if not (isinstance(values, types.UniTuple) and isinstance(fragment, types.Array)
+                and fragment.layout == "C" and values.dtype == fragment.dtype):
+            return None
+
+        def codegen(context, builder, signature, args):
+            for i in range(values.count):
+                builder.store(builder.extract_value(args[1], i),
+                              _flat_element(context, builder, signature.args[0], args[0], i))
+            return context.get_dummy_value()
+
+        return types.void(fragment, values), codegen
 
     def _statement(text, doc):
         @intrinsic

@@ -13,7 +13,8 @@ summed apart, forward and gradients: flash_mma.py and flash_mma_bwd.py with kern
 what "auto" runs for float32 by default, precision "highest", from 64 query rows without a
 mask or bias), numba-mma-backward (the same at precision "high", mma.sync's own sums),
 numba-mma (the tensor-core kernels alone:
-flash_mma.py's forward, flash_mma_bwd.py's backward), numba-ring and numba-allgather (ring
+flash_mma.py's forward, flash_mma_bwd.py's backward), numba-wgmma (the forward on Hopper's
+warpgroup tensor cores, flash_wgmma.py: no backward yet), numba-ring and numba-allgather (ring
 attention and the seed's all-gather scheme across ranks: with world_size,
 verify/distributed.py), torch-math, torch-efficient,
 torch-flash, torch-cudnn (PyTorch's SDPA backends), torch-cp-efficient, torch-cp-flash,
@@ -240,7 +241,8 @@ class Implementation:
 
 
 BUILTIN_NAMES = ("reference", "numba", "numba-plain", "numba-tuned-backward",
-                 "numba-mma-backward", "numba-mma-highest", "numba-mma", "numba-ring",
+                 "numba-mma-backward", "numba-mma-highest", "numba-mma", "numba-wgmma",
+                 "numba-ring",
                  "numba-allgather",
                  "torch-math",
                  "torch-efficient", "torch-flash", "torch-cudnn", "torch-flex",
@@ -255,7 +257,7 @@ def builtin(name):
                  "numba-mma-backward": lambda: _numba(backward_kernel="mma",
                                                       precision="high"),
                  "numba-mma-highest": lambda: _numba(backward_kernel="mma"),
-                 "numba-mma": _numba_mma, "numba-ring": lambda: _numba_split("ring"),
+                 "numba-mma": _numba_mma, "numba-wgmma": _numba_wgmma, "numba-ring": lambda: _numba_split("ring"),
                  "numba-allgather": lambda: _numba_split("allgather"),
                  "torch-flex": _torch_flex,
                  "flash-attn": _flash_attn}
@@ -419,6 +421,29 @@ def _numba_mma():
                           # the simulator emulates each warp instruction with 32 threads
                           timeout_s=120.0 if on_gpu else 900.0, grad=grad,
                           differentiable=False, warm=warm)
+
+
+def _numba_wgmma():
+    """Our forward on Hopper's warpgroup tensor cores (numba_kernels/flash_wgmma.py,
+    flash_attention(kernel="wgmma"): blocks where a row ends non-finite are done again by
+    flash_mma.py's careful variant); float16 and bfloat16, head dims multiples of 8 up to
+    128, a GPU of compute capability 9.0 or the simulator; no backward yet."""
+    from numba_kernels import MMA_DTYPES, MMA_WIDTHS, SIMULATOR, flash_attention
+
+    def warm(backward=False, say=None):
+        _warm_kernels("wgmma", None, say)
+
+    on_gpu = not SIMULATOR
+    return Implementation("numba-wgmma", lambda q, k, v, **options: flash_attention(
+                              q, k, v, kernel="wgmma", **options),
+                          Supports(dtypes=MMA_DTYPES, max_head_dim=MMA_WIDTHS[-1],
+                                   head_dim_multiple=8),
+                          precision="16-bit products exact, float32 sums",
+                          array="torch" if on_gpu else "numpy",
+                          device="cuda" if on_gpu else "cpu",
+                          version=f"numba-cuda {_version('numba_cuda')}"
+                          + ("" if on_gpu else " (CUDA simulator)"), costs=_numba_costs,
+                          timeout_s=120.0 if on_gpu else 900.0, warm=warm)
 
 
 def _numba_split(scheme):
