@@ -7,7 +7,7 @@ from reference.contract import BLOCK_SIZE, array_dtype, shape4
 from reference.memory import overlaps
 from .arrays import band, begin, block_table, is_cpu_tensor, masked, on_device, side_inputs
 from .common import DELTA_ARGS, DKDV_ARGS, DQ_ARGS, kernel_args
-from .flash_bwd import BwdSpec, bwd_width
+from .flash_bwd import TUNED_DKDV_ARGS, TUNED_DQ_ARGS, BwdSpec, bwd_width
 from .flash_mma_bwd import (BLOCK as MMA_BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec,
                             kv_parts, mma_bwd_kernel)
 from .launch import launch
@@ -123,7 +123,7 @@ def _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, ke
     width = pad(max(pb.d, pb.dv))
     mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
     mask_dev, steps, blocks = fit_blocks(io, pb, mask_dev, steps, blocks, mma_tiles(pb) if (
-        float32_grads or kernel == "mma") else ())
+        float32_grads or kernel == "mma") else tuned_tiles(pb) if kernel == "tuned" else ())
     named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, bias=bias_dev,
                  blocks=blocks,
                  kv_lengths=lengths, dout=io.dev(dout), lse_in=io.dev(lse),
@@ -162,17 +162,21 @@ def _plain(pb, io, named, grads, width, has_mask, precision):
 
 def _tuned(pb, io, named, grads, width, has_mask, precision):
     """The tuned dK/dV and dQ kernels (flash_bwd.py): register micro-tiles; full float32 at
-    either precision."""
-    for part, n, heads, args, out in (("dkdv", pb.n_k, pb.heads_k, DKDV_ARGS, ("dk", "dv")),
-                                      ("dq", pb.n_q, pb.heads_q, DQ_ARGS, ("dq",))):
-        w = bwd_width(pb.d, pb.dv)
-        spec = BwdSpec(part, w, w, pb.dtype, has_mask)
+    either precision; with a mask or bias, each walks its visible lists (class_prepass and
+    list_prepass at its own tiles: dQ's by query tile, dK/dV's by key tile)."""
+    for part, n, heads, args, out in (("dkdv", pb.n_k, pb.heads_k, TUNED_DKDV_ARGS,
+                                       ("dk", "dv")),
+                                      ("dq", pb.n_q, pb.heads_q, TUNED_DQ_ARGS, ("dq",))):
+        spec = BwdSpec(part, *[bwd_width(pb.d, pb.dv)] * 2, pb.dtype, has_mask)
         block_m, block_n = spec.tiles[:2]
         rows = block_n if part == "dkdv" else block_m
         if pb.batch * heads * n:
+            visible = list_prepass(io, class_prepass(
+                io, pb, named["mask"], named["mask_steps"], has_mask, block_m, block_n,
+                named["blocks"]), part == "dkdv")
             launch(tuned_bwd_kernel(spec), spec, (-(-n // rows), pb.batch * heads),
-                   spec.threads, io.stream,
-                   *_ordered(args, dict(named, **{g: grads[g] for g in out})),
+                   spec.threads, io.stream, *_ordered(args, dict(
+                       named, visible=visible, **{g: grads[g] for g in out})),
                    shared=spec.dynamic_shared_bytes)
 
 
@@ -218,6 +222,13 @@ def mma_tiles(pb):
     kernel's (qb query rows by a block of keys)."""
     qb = MmaBwdSpec("dkdv", mma_width(pb.d), mma_width(pb.dv), pb.dtype, True).qb
     return [(MMA_BLOCK, MMA_KEY_TILE), (qb, MMA_BLOCK)]
+
+
+def tuned_tiles(pb):
+    """The tiles (rows, keys) the tuned backward walks: its dK/dV kernel's and its dQ
+    kernel's (flash_bwd.TILES)."""
+    return [BwdSpec(part, *[bwd_width(pb.d, pb.dv)] * 2, pb.dtype, True).tiles[:2]
+            for part in ("dkdv", "dq")]
 
 
 def _minus(io, delta, dlse):

@@ -133,6 +133,11 @@ _BAND = ("n_q", "group", "qk_scale", "scale", "left", "right", "bottom_right", "
 DKDV_ARGS = _args("q", "k", "v", *_SIDES, "dk", "dv", *_BAND)
 DQ_ARGS = _args("q", "k", "v", *_SIDES, "dq", *_BAND)
 
+def with_visible(args, meaning):
+    """args with the visible lists a kernel walks (block_sparse.py) after "mask"."""
+    return tuple(x for a in args
+                 for x in ((a, ("visible", "visible", meaning)) if a[0] == "mask" else (a,)))
+
 
 def kernel_args(names=ARG_NAMES, **values):
     """A launch's arguments in the order of `names` (a kernel's ARG_NAMES), from keywords;

@@ -13,11 +13,20 @@ from numba import cuda
 
 from reference.dtypes import KERNEL_DTYPES
 from .convert import float32, int64, uint64, CONVERTERS
+from .block_sparse import make_tile_walk
 from .common import (DKDV_ARGS, DQ_ARGS, DYNAMIC_SHARED_LIMIT, F_LOG2E, NEG_INF, NO_PART,
                      STATIC_SHARED_LIMIT, ZERO, check_parameters, kernel_part,
-                     make_masked_score, takes_part)
+                     make_masked_score, takes_part, with_visible)
 from .flash_fwd import VEC, make_pv, make_scores, tile_loader
 from .schedule import key_range_device
+
+TUNED_DKDV_ARGS = with_visible(
+    DKDV_ARGS, "int32 (B or 1, Hq or 1, key tiles, 2 + query tiles): each key tile's count of "
+    "query tiles the mask does not skip, then those tiles (2 i + 1 partly visible, 2 i "
+    "fully), then 2 * query tiles; read with a mask")
+TUNED_DQ_ARGS = with_visible(
+    DQ_ARGS, "int32 (B or 1, Hq or 1, query tiles, 2 + key tiles): the forward's lists (ARGS) "
+    "at this kernel's tiles; read with a mask")
 
 # padded width -> part -> (BLOCK_M, BLOCK_N, THREADS_M, THREADS_N), read when a call makes
 # its BwdSpec. Head dims are zero-padded to one of these three widths (as for plain_bwd.py):
@@ -139,7 +148,8 @@ def load_row_stats(words, lse_in, delta, b, h, start_m, n_q, lse_at, delta_at, b
 def make_kv_probabilities(sizes, masked_score):
     """probabilities(...): for the thread's TK keys and TQ rows of S^T and dP^T, P^T =
     exp2(S * qk_scale (+ bias) - lse) and dS^T = P (dP - delta) into shared memory, both 0
-    where the row does not see the key (selected: a hidden key's NaN must vanish)."""
+    where the row does not see the key (selected: a hidden key's NaN must vanish); the mask
+    read where read_mask (a PARTIAL tile), the bias where read_bias."""
     TK, TQ = sizes["BLOCK_N"] // sizes["THREADS_M"], sizes["BLOCK_M"] // sizes["THREADS_N"]
     THREADS_M, THREADS_N = sizes["THREADS_M"], sizes["THREADS_N"]
     P_W = sizes["WIDTHS"][4]
@@ -147,7 +157,8 @@ def make_kv_probabilities(sizes, masked_score):
 
     @kernel_part
     def probabilities(words, s, dp, qk_scale, mask, bias, mask_steps, bias_steps, b, h,
-                      start_m, start_n, n_q, kv_len, left, right, bottom_right, ty_u, tx_u):
+                      start_m, start_n, n_q, kv_len, left, right, bottom_right, read_mask,
+                      read_bias, ty_u, tx_u):
         for j in range(TQ):
             r = tx_u + uint64(j * THREADS_N)  # the row within the tile
             row = start_m + int64(r)
@@ -156,7 +167,8 @@ def make_kv_probabilities(sizes, masked_score):
             for i in range(TK):
                 key = ty_u + uint64(i * THREADS_M)
                 x = masked_score(s[i, j] * qk_scale, mask, bias, mask_steps, bias_steps, b, h,
-                                 row, start_n + int64(key), lo, hi, False, n_q, True, True)
+                                 row, start_n + int64(key), lo, hi, False, n_q, read_mask,
+                                 read_bias)
                 p = NO_PART if x == NEG_INF else math.exp2(x - lse_r)
                 ds = ZERO if x == NEG_INF else p * (dp[i, j] - delta_r)
                 words[P_AT + key * uint64(P_W) + r] = p
@@ -226,7 +238,8 @@ def make_store_rows(sizes, store, T, COLS):
 def make_q_probabilities(sizes, masked_score):
     """probabilities(...): for the thread's TQ rows and TK keys of S and dP, P = exp2(S *
     qk_scale (+ bias) - lse) and dS = P (dP - delta) into shared memory; where the pair
-    takes no part, P = NO_PART and dS = 0."""
+    takes no part, P = NO_PART and dS = 0; the mask read where read_mask (a PARTIAL tile),
+    the bias where read_bias."""
     TQ, TK = sizes["BLOCK_M"] // sizes["THREADS_M"], sizes["BLOCK_N"] // sizes["THREADS_N"]
     THREADS_M, THREADS_N = sizes["THREADS_M"], sizes["THREADS_N"]
     P_W = sizes["WIDTHS"][4]
@@ -234,13 +247,14 @@ def make_q_probabilities(sizes, masked_score):
 
     @kernel_part
     def probabilities(words, s, dp, lse_i, delta_i, lo, hi, qk_scale, mask, bias, mask_steps,
-                      bias_steps, b, h, first_row, start_n, n_q, ty_u, tx_u):
+                      bias_steps, b, h, first_row, start_n, n_q, read_mask, read_bias, ty_u,
+                      tx_u):
         for i in range(TQ):
             for j in range(TK):
                 key = tx_u + uint64(j * THREADS_N)
                 x = masked_score(s[i, j] * qk_scale, mask, bias, mask_steps, bias_steps, b, h,
                                  first_row + i * THREADS_M, start_n + int64(key), lo[i],
-                                 hi[i], False, n_q, True, True)
+                                 hi[i], False, n_q, read_mask, read_bias)
                 p = NO_PART if x == NEG_INF else math.exp2(x - lse_i[i])
                 at = (ty_u + uint64(i * THREADS_M)) * uint64(P_W) + key
                 words[P_AT + at] = p  # for the slow product's test only
@@ -306,7 +320,8 @@ def device_functions(spec):
 
 def dkdv_kernel_source(spec):
     """The dK, dV kernel of variant `spec` (part "dkdv"): reference/tiled_backward.py's
-    program for one key tile, one block each."""
+    program for one key tile, one block each, over the query tiles of its visible list
+    (block_sparse.py, transposed: the tiles a mask leaves; without a mask every one)."""
     sizes = sizes_of(spec)
     BLOCK_M, BLOCK_N, THREADS_M, THREADS_N = (sizes[n] for n in ("BLOCK_M", "BLOCK_N",
                                                              "THREADS_M", "THREADS_N"))
@@ -317,9 +332,13 @@ def dkdv_kernel_source(spec):
     LSE_AT, DELTA_AT = sizes["OFFSETS"][6:8]
     (load_k, load_v, load_q, load_do, scores_s, scores_dp, probabilities, pv_dv, pv_dk,
      seen_products, store_dk, store_dv) = device_functions(spec)
+    HAS_MASK, walk = spec.has_mask, make_tile_walk(spec.has_mask, BLOCK_M)  # query tiles
+    walk_range, step_tile, reads_mask, WALK_STEP = (walk.walk_range, walk.step_tile,
+                                                    walk.reads_mask, walk.STEP)
 
-    def dkdv_kernel(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, dk, dv, n_q, group,
-                    qk_scale, scale, left, right, bottom_right, mask_steps, bias_steps):
+    def dkdv_kernel(q, k, v, mask, visible, bias, kv_lengths, dout, lse_in, delta, dk, dv,
+                    n_q, group, qk_scale, scale, left, right, bottom_right, mask_steps,
+                    bias_steps):
         words = cuda.shared.array(SHARED_WORDS, float32)
         dk_acc = cuda.local.array((TK, TD), float32)  # the thread's keys' dK, columns
         dv_acc = cuda.local.array((TK, TDV), float32)
@@ -343,7 +362,10 @@ def dkdv_kernel_source(spec):
             load_v(v[b, hk], start_n, kv_len - start_n, d_v, words, V_AT)
             last_key = min(start_n + BLOCK_N, kv_len)
             for h in range(hk * group, (hk + 1) * group):  # the group's query heads, in order
-                for start_m in range(0, n_q, BLOCK_M):
+                cb, ch = b * mask_steps[0], h * mask_steps[1]  # this key tile's list
+                t0, t1 = walk_range(visible, cb, ch, cuda.blockIdx.x, 0, n_q)
+                for t in range(t0, t1, WALK_STEP):  # the query tiles the mask leaves
+                    start_m = step_tile(visible, cb, ch, cuda.blockIdx.x, t)
                     last_row = min(start_m + BLOCK_M, n_q) - 1
                     lo_f, _ = key_range_device(start_m, n_q, kv_len, left, right, bottom_right)
                     _, hi_l = key_range_device(last_row, n_q, kv_len, left, right, bottom_right)
@@ -361,9 +383,16 @@ def dkdv_kernel_source(spec):
                     bad = cuda.syncthreads_or(bad)
                     scores_s(words, s, frag, ty_u, tx_u, (d + FRAG - 1) // FRAG)
                     scores_dp(words, dp, frag, ty_u, tx_u, (d_v + FRAG - 1) // FRAG)
-                    probabilities(words, s, dp, qk_scale, mask, bias, mask_steps, bias_steps,
-                                  b, h, start_m, start_n, n_q, kv_len, left, right,
-                                  bottom_right, ty_u, tx_u)
+                    # the mask read or not, each call with a constant (a flag known only at
+                    # run time would keep ptxas from unrolling the loops: local memory)
+                    if reads_mask(visible, cb, ch, cuda.blockIdx.x, t):  # PARTIAL
+                        probabilities(words, s, dp, qk_scale, mask, bias, mask_steps,
+                                      bias_steps, b, h, start_m, start_n, n_q, kv_len, left,
+                                      right, bottom_right, True, True, ty_u, tx_u)
+                    else:  # FULL, or no mask
+                        probabilities(words, s, dp, qk_scale, mask, bias, mask_steps,
+                                      bias_steps, b, h, start_m, start_n, n_q, kv_len, left,
+                                      right, bottom_right, not HAS_MASK, True, ty_u, tx_u)
                     cuda.syncthreads()  # Barrier: P^T and dS^T are complete.
                     if not bad:
                         pv_dv(words, dv_acc, frag, cols, ty_u, tx_u, BLOCK_M)
@@ -373,12 +402,12 @@ def dkdv_kernel_source(spec):
         store_dk(dk_acc, dk, b, hk, start_n, k.shape[2], d, scale, ty_u, tx_u)
         store_dv(dv_acc, dv, b, hk, start_n, k.shape[2], d_v, float32(1.0), ty_u, tx_u)
 
-    return check_parameters(dkdv_kernel, tuple(a[0] for a in DKDV_ARGS))
+    return check_parameters(dkdv_kernel, tuple(a[0] for a in TUNED_DKDV_ARGS))
 
 
 def dq_kernel_source(spec):
-    """The dQ kernel of variant `spec` (part "dq"): the forward's walk over key tiles, with
-    P recomputed from the saved lse."""
+    """The dQ kernel of variant `spec` (part "dq"): the forward's walk over key tiles (its
+    visible list with a mask), with P recomputed from the saved lse."""
     sizes = sizes_of(spec)
     BLOCK_M, BLOCK_N, THREADS_M, THREADS_N = (sizes[n] for n in ("BLOCK_M", "BLOCK_N",
                                                              "THREADS_M", "THREADS_N"))
@@ -387,9 +416,12 @@ def dq_kernel_source(spec):
     K_AT, V_AT, Q_AT, DO_AT = sizes["OFFSETS"][:4]
     (load_k, load_v, load_q, load_do, scores_s, scores_dp, probabilities, pv_dq,
      seen_products, store_dq) = device_functions(spec)
+    HAS_MASK, walk = spec.has_mask, make_tile_walk(spec.has_mask, BLOCK_N)  # key tiles
+    walk_range, step_tile, reads_mask, WALK_STEP = (walk.walk_range, walk.step_tile,
+                                                    walk.reads_mask, walk.STEP)
 
-    def dq_kernel(q, k, v, mask, bias, kv_lengths, dout, lse_in, delta, dq, n_q, group,
-                  qk_scale, scale, left, right, bottom_right, mask_steps, bias_steps):
+    def dq_kernel(q, k, v, mask, visible, bias, kv_lengths, dout, lse_in, delta, dq, n_q,
+                  group, qk_scale, scale, left, right, bottom_right, mask_steps, bias_steps):
         words = cuda.shared.array(SHARED_WORDS, float32)
         dq_acc = cuda.local.array((TQ, TD), float32)
         s = cuda.local.array((TQ, TK), float32)
@@ -422,7 +454,10 @@ def dq_kernel_source(spec):
         lo_f, _ = key_range_device(start_m, n_q, kv_len, left, right, bottom_right)
         _, hi_l = key_range_device(last_row, n_q, kv_len, left, right, bottom_right)
         first, last = max(lo_f, 0) // BLOCK_N * BLOCK_N, min(hi_l, kv_len)
-        for start_n in range(first, last, BLOCK_N):
+        cb, ch, tile = b * mask_steps[0], h * mask_steps[1], cuda.blockIdx.x
+        t0, t1 = walk_range(visible, cb, ch, tile, first, last)  # the key tiles the mask leaves
+        for t in range(t0, t1, WALK_STEP):
+            start_n = step_tile(visible, cb, ch, tile, t)
             # Barrier: the last tile's reads of K, V and dS are done (first time: Q and dO
             # are loaded).
             cuda.syncthreads()
@@ -433,8 +468,14 @@ def dq_kernel_source(spec):
             bad = cuda.syncthreads_or(bad)
             scores_s(words, s, frag, ty_u, tx_u, (d + FRAG - 1) // FRAG)
             scores_dp(words, dp, frag, ty_u, tx_u, (d_v + FRAG - 1) // FRAG)
-            probabilities(words, s, dp, lse_i, delta_i, lo, hi, qk_scale, mask, bias,
-                          mask_steps, bias_steps, b, h, start_m + ty, start_n, n_q, ty_u, tx_u)
+            if reads_mask(visible, cb, ch, tile, t):  # PARTIAL; each call with a constant
+                probabilities(words, s, dp, lse_i, delta_i, lo, hi, qk_scale, mask, bias,
+                              mask_steps, bias_steps, b, h, start_m + ty, start_n, n_q, True,
+                              True, ty_u, tx_u)
+            else:  # FULL, or no mask
+                probabilities(words, s, dp, lse_i, delta_i, lo, hi, qk_scale, mask, bias,
+                              mask_steps, bias_steps, b, h, start_m + ty, start_n, n_q,
+                              not HAS_MASK, True, ty_u, tx_u)
             cuda.syncthreads()  # Barrier: dS is complete.
             if not bad:
                 pv_dq(words, dq_acc, frag, cols, ty_u, tx_u, min(BLOCK_N, last - start_n))
@@ -442,7 +483,7 @@ def dq_kernel_source(spec):
                 seen_products(words, dq_acc, ty_u, tx_u)
         store_dq(dq_acc, dq, b, h, start_m, n_q, d, scale, ty_u, tx_u)
 
-    return check_parameters(dq_kernel, tuple(a[0] for a in DQ_ARGS))
+    return check_parameters(dq_kernel, tuple(a[0] for a in TUNED_DQ_ARGS))
 
 
 def bwd_kernel_source(spec):

@@ -21,7 +21,8 @@ from .compile_cache import jit
 from .convert import CONVERTERS, float32, int64, uint32, uint64
 from .block_sparse import make_tile_walk
 from .common import (DKDV_ARGS, DQ_ARGS, FASTMATH, F_LOG2E, NEG_INF, NO_PART, ZERO,
-                     bias_given, check_parameters, kernel_part, make_masked_score)
+                     bias_given, check_parameters, kernel_part, make_masked_score,
+                     with_visible)
 from .schedule import grid_order, key_range_device, key_tiles
 from .mma_parts import (BLOCK_N as KEY_TILE, EXPONENT_BITS, FACTORS, FLAG_ROWS, MMA_DTYPES,
                         MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, THREADS, WARPS, halves_ship,
@@ -43,18 +44,12 @@ def _with_flags(args, before, *names):
     return tuple(x for a in args for x in (extra + (a,) if a[0] == before else (a,)))
 
 
-def _with_visible(args, meaning):
-    """args with the visible lists the kernel walks (block_sparse.py) after "mask"."""
-    return tuple(x for a in args
-                 for x in ((a, ("visible", "visible", meaning)) if a[0] == "mask" else (a,)))
-
-
-MMA_DKDV_ARGS = _with_flags(_with_visible(
+MMA_DKDV_ARGS = _with_flags(with_visible(
     DKDV_ARGS, "int32 (B or 1, Hq or 1, key tiles of BLOCK, 2 + query tiles of qb): each key "
     "tile's count of query tiles the mask does not skip, then those tiles, 2 i + 1 where "
     "partly visible, 2 i where fully, then 2 * query tiles; read with a mask"),
     "dk", "q", "dout", "k")
-MMA_DQ_ARGS = _with_flags(_with_visible(
+MMA_DQ_ARGS = _with_flags(with_visible(
     DQ_ARGS, "int32 (B or 1, Hq or 1, query tiles of BLOCK, 2 + key tiles of KEY_TILE): the "
     "forward's lists (ARGS), at this kernel's tiles; read with a mask"), "dq", "k", "q")
 

@@ -13,7 +13,8 @@ from .block_sparse import (BlocksSpec, ClassesSpec, ListsSpec, blocks_kernel, bl
                            classes_kernel, classes_source, lists_kernel, lists_source)
 from .compile_cache import jit
 from .convert import CONVERTERS
-from .flash_bwd import BwdSpec, bwd_kernel_source, bwd_specs
+from .flash_bwd import (TUNED_DKDV_ARGS, TUNED_DQ_ARGS, BwdSpec, bwd_kernel_source,
+                        bwd_specs)
 from .common import ARGS, FASTMATH
 from .flash_fwd import KernelSpec, kernel_source
 from .flash_mma import MMA_ARGS, MmaSpec, mma_kernel, mma_specs
@@ -105,6 +106,7 @@ def classes_specs():
     lists, by query tile and by key tile."""
     sizes = {(s.block_m, s.block_n) for s in shipped_specs() if s.has_mask}
     sizes |= {(MMA_BLOCK_M, MMA_BLOCK_N), (MMA_BLOCK_M, WGMMA_KEYS)}
+    sizes |= {s.tiles[:2] for s in bwd_specs() if s.has_mask}
     sizes |= {(s.qb, MMA_BWD_BLOCK) for s in mma_bwd_specs()
               if isinstance(s, MmaBwdSpec) and s.has_mask}
     return [ClassesSpec(m, n, words) for m, n in sorted(sizes) for words in (False, True)] + [
@@ -210,7 +212,7 @@ def halves_signature(spec):
 def tuned_bwd_signature(spec):
     """Argument types of a tuned backward kernel (flash_bwd.py), C-contiguous arrays."""
     elem = _NUMBA_TYPES[CONVERTERS[spec.dtype][2]]
-    return arg_types(DKDV_ARGS if spec.part == "dkdv" else DQ_ARGS, elem, elem)
+    return arg_types(TUNED_DKDV_ARGS if spec.part == "dkdv" else TUNED_DQ_ARGS, elem, elem)
 
 
 def merge_signature(dtype):

@@ -1,6 +1,7 @@
-"""Block sparsity in the forward kernels (numba_kernels/block_sparse.py): the pre-passes class a
-mask's tiles and list the visible ones as reference/blocks.py does, and the kernels walk those
-lists: a SKIP tile is not visited, a FULL tile's mask is not read."""
+"""Block sparsity in the kernels (numba_kernels/block_sparse.py): the pre-passes class a
+mask's tiles and list the visible ones as reference/blocks.py does, and the forward and
+backward kernels walk those lists: a SKIP tile is not visited, a FULL tile's mask is not
+read."""
 import re
 
 import numpy as np
@@ -114,14 +115,15 @@ def test_the_forward_kernels_skip_and_trust_the_classes(monkeypatch, kernel, dty
 
 
 @pytest.mark.long
-def test_the_tensor_core_backward_skips_and_trusts_the_classes(monkeypatch):
+@pytest.mark.parametrize("kernel,dtype", [("mma", np.float16), ("tuned", np.float32)])
+def test_the_backward_kernels_skip_and_trust_the_classes(monkeypatch, kernel, dtype):
     """The dQ and dK, dV kernels walk their lists (by query tile; by key tile, across a
     group's heads): with the true classes the masked gradients, with every tile SKIP zeros,
     with every tile FULL the unmasked gradients (no mask read), a bias still read there."""
     rng = np.random.default_rng(1)
-    q = rng.standard_normal((1, 2, 64, 16)).astype(np.float16)
-    k, v = (rng.standard_normal((1, 1, 64, 16)).astype(np.float16) for _ in range(2))
-    dout = rng.standard_normal((1, 2, 64, 16)).astype(np.float16)
+    q = rng.standard_normal((1, 2, 64, 16)).astype(dtype)
+    k, v = (rng.standard_normal((1, 1, 64, 16)).astype(dtype) for _ in range(2))
+    dout = rng.standard_normal((1, 2, 64, 16)).astype(dtype)
     mask = rng.random((1, 2, 64, 64)) < 0.5  # per head: each head its own lists
     mask[:, 1, 16:48] = False  # head 1: whole query tiles that no key sees
     true = backward.class_prepass
@@ -141,7 +143,7 @@ def test_the_tensor_core_backward_skips_and_trusts_the_classes(monkeypatch):
         out, lse = out.astype(q.dtype), lse.astype(np.float32)
         monkeypatch.setattr(backward, "class_prepass", classes)
         got = flash_attention_backward(q, k, v, out, lse, dout, mask=mask, bias=bias,
-                                       kernel="mma")
+                                       kernel=kernel)
         monkeypatch.setattr(backward, "class_prepass", true)
         return [np.asarray(g, np.float64) for g in got]
 
