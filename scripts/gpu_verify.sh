@@ -22,7 +22,7 @@ pack() {
 trap pack EXIT
 trap 'exit 143' TERM INT
 STEPS=${STEPS:-ab check verify broken findings scale}
-IMPLS=${IMPLS:-numba numba-mma numba-mma-highest torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
+IMPLS=${IMPLS:-numba numba-mma numba-wgmma numba-mma-highest torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
 SCALE_IMPLS=${SCALE_IMPLS:-numba torch-efficient}
 BACKWARD_IMPLS=${BACKWARD_IMPLS:-numba numba-mma-highest torch-math torch-efficient torch-flash torch-cudnn jax-xla jax-cudnn}
 step() { [[ " $STEPS " == *" $1 "* ]]; }
