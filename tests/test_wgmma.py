@@ -11,6 +11,7 @@ import pytest
 import verify  # noqa: F401  (selects the simulator on a machine without a GPU)
 from numba_kernels import flash_attention, kernel_plan
 from numba_kernels.convert import SIMULATOR
+from numba_kernels.plan import hopper_why_not
 from verify.adapters import load
 from verify.cases import Case, battery
 from verify.runner import run_case
@@ -36,6 +37,7 @@ def a_case(name, dtype):
 
 
 @pytest.mark.long
+@pytest.mark.skipif(hopper_why_not() is not None, reason=str(hopper_why_not()))
 @pytest.mark.parametrize("name,dtype", CASES + [(WHOLE_TILE.name, WHOLE_TILE.dtype)])
 def test_the_wgmma_forward_passes_verify_cases(name, dtype):
     impl = load("numba-wgmma")
@@ -105,6 +107,7 @@ def test_only_a_hopper_gpu_runs_it(monkeypatch):
     assert "8.0" in plan.hopper_why_not()
 
 
+@pytest.mark.skipif(hopper_why_not() is not None, reason=str(hopper_why_not()))
 def test_autograd_refuses_it_while_it_has_no_backward():
     torch = pytest.importorskip("torch")
     device = "cpu" if SIMULATOR else "cuda"
