@@ -46,8 +46,8 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_len
     kernel, precision = plan.kernel, plan.precision
     if kernel not in BACKWARD_KERNEL and torch.is_grad_enabled():
         raise NotImplementedError(
-            f"kernel={kernel!r} has no backward yet: the mma backward's scores are not its "
-            "forward's bit for bit, and at large scores P = exp(S - lse) would be far off "
+            f"kernel={kernel!r} has no backward yet: nothing makes the mma backward's scores "
+            "its forward's bit for bit, and at large scores P = exp(S - lse) would be far off "
             "(docs/findings.md, bug 10); call it under torch.no_grad() or use kernel='mma'")
     if isinstance(bias, Tensor) and bias.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError("bias requires grad, but the kernels compute no gradient "

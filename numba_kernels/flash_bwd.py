@@ -332,7 +332,7 @@ def dkdv_kernel_source(spec):
     LSE_AT, DELTA_AT = sizes["OFFSETS"][6:8]
     (load_k, load_v, load_q, load_do, scores_s, scores_dp, probabilities, pv_dv, pv_dk,
      seen_products, store_dk, store_dv) = device_functions(spec)
-    HAS_MASK, walk = spec.has_mask, make_tile_walk(spec.has_mask, BLOCK_M)  # query tiles
+    walk = make_tile_walk(spec.has_mask, BLOCK_M)  # over query tiles
     walk_range, step_tile, reads_mask, WALK_STEP = (walk.walk_range, walk.step_tile,
                                                     walk.reads_mask, walk.STEP)
 
@@ -389,10 +389,10 @@ def dkdv_kernel_source(spec):
                         probabilities(words, s, dp, qk_scale, mask, bias, mask_steps,
                                       bias_steps, b, h, start_m, start_n, n_q, kv_len, left,
                                       right, bottom_right, True, True, ty_u, tx_u)
-                    else:  # FULL, or no mask
+                    else:  # FULL (the mask not read), or no mask
                         probabilities(words, s, dp, qk_scale, mask, bias, mask_steps,
                                       bias_steps, b, h, start_m, start_n, n_q, kv_len, left,
-                                      right, bottom_right, not HAS_MASK, True, ty_u, tx_u)
+                                      right, bottom_right, False, True, ty_u, tx_u)
                     cuda.syncthreads()  # Barrier: P^T and dS^T are complete.
                     if not bad:
                         pv_dv(words, dv_acc, frag, cols, ty_u, tx_u, BLOCK_M)
@@ -416,7 +416,7 @@ def dq_kernel_source(spec):
     K_AT, V_AT, Q_AT, DO_AT = sizes["OFFSETS"][:4]
     (load_k, load_v, load_q, load_do, scores_s, scores_dp, probabilities, pv_dq,
      seen_products, store_dq) = device_functions(spec)
-    HAS_MASK, walk = spec.has_mask, make_tile_walk(spec.has_mask, BLOCK_N)  # key tiles
+    walk = make_tile_walk(spec.has_mask, BLOCK_N)  # over key tiles
     walk_range, step_tile, reads_mask, WALK_STEP = (walk.walk_range, walk.step_tile,
                                                     walk.reads_mask, walk.STEP)
 
@@ -472,10 +472,10 @@ def dq_kernel_source(spec):
                 probabilities(words, s, dp, lse_i, delta_i, lo, hi, qk_scale, mask, bias,
                               mask_steps, bias_steps, b, h, start_m + ty, start_n, n_q, True,
                               True, ty_u, tx_u)
-            else:  # FULL, or no mask
+            else:  # FULL (the mask not read), or no mask
                 probabilities(words, s, dp, lse_i, delta_i, lo, hi, qk_scale, mask, bias,
                               mask_steps, bias_steps, b, h, start_m + ty, start_n, n_q,
-                              not HAS_MASK, True, ty_u, tx_u)
+                              False, True, ty_u, tx_u)
             cuda.syncthreads()  # Barrier: dS is complete.
             if not bad:
                 pv_dq(words, dq_acc, frag, cols, ty_u, tx_u, min(BLOCK_N, last - start_n))

@@ -90,10 +90,6 @@ class WgmmaSpec:
         """Bytes of dynamic shared memory a launch passes (above 48 KB at D = 128)."""
         return 4 * self.layout["words"]
 
-    @property
-    def launch_bounds(self):
-        return None
-
 
 def wgmma_specs():
     """Every variant the PTX report compiles."""

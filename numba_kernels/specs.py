@@ -293,9 +293,8 @@ def compiled(spec):
 def variants(forward, backward=None):
     """The variants calls of one of our implementations can launch, for warming the cache
     before a run: forward "simt" (flash_attention(kernel="simt")), "plain", "mma" or "wgmma",
-    with the
-    split-KV merges; backward None, "plain", "tuned" or "mma" (with the delta kernel; "mma"
-    with the pre-pass that flags tiles holding a NaN or an inf)."""
+    with the split-KV merges; backward None, "plain", "tuned" or "mma" (with the delta
+    kernel; "mma" with the pre-pass that flags tiles holding a NaN or an inf)."""
     fwd = {"simt": shipped_specs() + classes_specs(), "plain": plain_specs(HEAD_DIMS),
            "mma": mma_specs() + halves_specs() + classes_specs(),
            "wgmma": wgmma_specs() + [s for s in mma_specs() if s.careful] + classes_specs()}

@@ -17,7 +17,7 @@ from verify.cases import Case, battery
 from verify.runner import run_case
 
 # together every feature the adapter claims, both dtypes, a V tile holding NaN (deferred to
-# flash_mma's careful variant), a partial key tile and a causal diagonal across key tiles
+# flash_mma's careful variant) and partial key tiles; WHOLE_TILE: whole tiles of 64 keys
 CASES = [
     ("causal top_left 29x31", "float16"),
     ("mask per head + GQA", "bfloat16"),
