@@ -34,6 +34,7 @@ nothing completes ends in an error after WAIT_TIMEOUT_S instead of hanging.
 """
 import itertools
 import threading
+import weakref
 
 import numpy as np
 
@@ -79,6 +80,8 @@ def box_image(array, row, col, box_rows, box_cols, swizzle):
 
 
 if SIMULATOR:
+    # (id(array), i) -> (a weak reference to the array, its barrier): a later array given a
+    # dead one's id finds the reference dead, not the dead array's barriers.
     _states, _states_lock = {}, threading.Lock()
     _maps = {}  # key -> (array, box_rows, box_cols, swizzle): the simulator's tensor maps
 
@@ -116,14 +119,16 @@ if SIMULATOR:
 
     def _barrier(bars, i):
         with _states_lock:
-            state = _states.get((id(bars), int(i)))
-        if state is None:
+            held, state = _states.get((id(bars), int(i)), (None, None))
+        if held is None or held() is not bars:
             raise RuntimeError(f"mbarrier {i} used before barrier_init")
         return state
 
     def barrier_init(bars, i, count):
         with _states_lock:
-            _states[(id(bars), int(i))] = _Barrier(int(count))
+            for key in [key for key, (held, _) in _states.items() if held() is None]:
+                del _states[key]
+            _states[(id(bars), int(i))] = (weakref.ref(bars), _Barrier(int(count)))
 
     def arrive(bars, i):
         _barrier(bars, i).arrive()

@@ -79,6 +79,16 @@ def test_misuse_is_an_error():
         tma.tensor_copy(words, 0, tmap, 100, 0, bars, 1)
 
 
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's checks")
+def test_a_new_array_inherits_no_dead_arrays_barriers():
+    for _ in range(20):  # a new array often takes a freed one's id
+        dead = np.zeros(2, np.uint64)
+        tma.barrier_init(dead, 0, 1)
+        del dead
+        with pytest.raises(RuntimeError, match="before barrier_init"):
+            tma.arrive(np.zeros(2, np.uint64), 0)
+
+
 ASSEMBLE = """
 from numba import cuda, types
 from numba_kernels.numba_internals import compiling_for
