@@ -5,7 +5,8 @@
 
 On the same inputs, in one run: our kernel (numba: the SIMT kernel; numba-mma: the tensor-core
 kernel, float32 as float16 halves at precision "high"; numba-mma-highest: float32 on it at
-precision "highest", the default), torch SDPA forced to each backend (flash, efficient, cudnn,
+precision "highest", the default; numba-wgmma: the forward on Hopper's warpgroup tensor cores,
+16 bits, asked for by name), torch SDPA forced to each backend (flash, efficient, cudnn,
 math), and the fp32 (TF32 off) and bf16 matrix-product ceilings (torch). Shapes
 (B, H, N, D) = (4, 16, N, 64) and (2, 16, N, 128), causal and not, per dtype; decoding shapes
 (Nq = 1, Nk up to 32768, B * H = 64), with and without split-KV. CUDA events, warm-up,
@@ -125,6 +126,9 @@ def run_shape(rows, dtype, B, Hq, Hk, Nq, Nk, D, causal, impls, ceiling, spec=No
     if "numba-mma" in impls and mma:
         calls["numba-mma"] = lambda: flash_attention(
             q, k, v, causal="top_left" if causal else False, kernel="mma", precision="high")
+    if "numba-wgmma" in impls and mma and dtype != "float32":
+        calls["numba-wgmma"] = lambda: flash_attention(
+            q, k, v, causal="top_left" if causal else False, kernel="wgmma")
     if "numba-mma-highest" in impls and mma and dtype == "float32":
         calls["numba-mma-highest"] = lambda: flash_attention(
             q, k, v, causal="top_left" if causal else False, kernel="mma",

@@ -5,22 +5,21 @@ block for 64 query rows, as flash_mma's 4 warps: the accumulators hold the rows 
 hold, so the online softmax, the masks and the stores are flash_mma's own. Key tiles of
 KEYS, float16 and bfloat16.
 
-Shared memory, in wgmma's layout without swizzle (core matrices of 8 rows by 16 bytes, 128
-contiguous bytes each, warpgroup.operand_address):
-- Q (64 x D) and a K tile (KEYS x D) in each of two stages, copied by cp.async straight into
-  core matrices: A and B "K-major", the head dim along K;
-- V^T (Dv x KEYS): P V's B operand has the keys along K, which V's rows are not; V's tile is
-  copied as it is (rows of Dv + PAD values) and each warp turns its 8 x 8 pieces into V^T's
-  core matrices with ldmatrix.trans, whose registers are a core matrix's 32 words in lane
-  order.
+Shared memory: Q (64 x D) once, and in each of two stages a K tile (KEYS x D) and a V tile
+(KEYS x Dv), all three as they are in global memory, row by row, in the 128-byte swizzle
+(warpgroup.SWIZZLE: a tile is blocks of 64 columns, a block rows of 128 bytes, the 16-byte
+chunk c of row r at chunk c ^ (r % 8)), copied by cp.async: a warp reads whole rows and
+stores without bank conflicts. Q and K are A and B "K-major" (the head dim along K); V is
+P V's B "MN-major" (Dv along N, the keys along K: wgmma's transpose flag), so no tile is
+transposed.
 
-Per key tile: wait for its copies, V^T from V, a barrier; the next tile's copies begin; S by
-D / 16 products (Q and K through descriptors); the scale, the mask and the online softmax
-on S's fragments; O += P V by KEYS / 16 products, P from the registers S left it in
-(converted to 16 bits: mma.sync's A fragment by warp, warpgroup.a_fragments). This is the
-fast variant only: a block whose rows end non-finite is flagged in `deferred` and flash_mma's
-careful variant does it again, as after flash_mma's fast one. docs/design/hopper.md says
-what comes next (TMA, warp specialization, pingpong).
+Per key tile: wait for its copies, a fence for the async proxy, a barrier; the next tile's
+copies begin into the other stage; S by D / 16 products (Q and K through descriptors); the
+scale, the mask and the online softmax on S's fragments; O += P V by KEYS / 16 products, P
+from the registers S left it in (converted to 16 bits: mma.sync's A fragment by warp,
+warpgroup.a_fragments). This is the fast variant only: a block whose rows end non-finite is
+flagged in `deferred` and flash_mma's careful variant does it again, as after flash_mma's
+fast one. docs/design/hopper.md says what comes next (TMA, warp specialization, pingpong).
 """
 from dataclasses import astuple, dataclass
 from functools import lru_cache
@@ -34,13 +33,17 @@ from .compile_cache import jit
 from .convert import CONVERTERS, float32, int64, uint32
 from .flash_mma import (MMA_ARG_NAMES, ONE, hand_over, head_bases, make_acc_finite,
                         make_init_rows, make_online_softmax, make_store_out, make_this_block)
-from .mma_parts import (BLOCK_M, BLOCK_N, MMA_DTYPES, MMA_WIDTHS, PAD, THREADS, make_copy_tile,
+from .mma_parts import (BLOCK_M, BLOCK_N, MMA_DTYPES, MMA_WIDTHS, THREADS,
                         make_scale_and_mask)
 from .schedule import key_tiles
 
 KEYS = 64  # keys a tile: S is one m64n64 accumulator, 32 floats a thread
-CORE_WORDS = 32  # a core matrix: 8 rows of 16 bytes
-LBO = 128  # core matrices adjacent along K: 128 bytes apart
+SWIZZLE = warpgroup.SWIZZLE  # the layout of every tile (a literal for the descriptors)
+COLUMNS = SWIZZLE // 2  # a swizzled block's columns: 64 16-bit values a row
+ROW_WORDS = SWIZZLE // 4  # a swizzled row, in 32-bit words
+GROUP_BYTES = 8 * SWIZZLE  # 8 rows: the swizzle's period, SBO along rows
+ALIGN_WORDS = GROUP_BYTES // 4  # room to align the tiles to it
+K_MAJOR_LBO = 16  # unread: a step's 32 bytes of K lie within one swizzled row
 WGMMA_CC = (9, 0, "a")  # wgmma exists on sm_90a alone
 
 
@@ -75,15 +78,13 @@ class WgmmaSpec:
 
     @property
     def layout(self):
-        """Where the shared tiles start, in 32-bit words after the 128-byte aligned start:
-        Q (`q_at`), each stage's K tile (`k_at` + stage * `stage`), V^T (`vt_at`), V as
-        copied (`v_at`, rows of `v_row` words); the total `words` (with room to align)."""
-        q_words, k_words = BLOCK_M * self.d // 2, KEYS * self.d // 2
-        v_row = (self.dv + PAD) // 2
-        vt_at = q_words + 2 * k_words
-        v_at = vt_at + KEYS * self.dv // 2
-        return dict(q_at=0, k_at=q_words, stage=k_words, vt_at=vt_at, v_at=v_at, v_row=v_row,
-                    words=v_at + KEYS * v_row + CORE_WORDS)
+        """Where the shared tiles start, in 32-bit words after the 1024-byte aligned start:
+        Q (`q_at`), stage s's K tile (`k_at` + s `stage`) and V tile (`v_at` + s `stage`);
+        the total `words`, with room to align."""
+        q_words, k_words, v_words = (BLOCK_M * self.d // 2, KEYS * self.d // 2,
+                                     KEYS * self.dv // 2)
+        return dict(q_at=0, k_at=q_words, v_at=q_words + k_words, stage=k_words + v_words,
+                    words=q_words + 2 * (k_words + v_words) + ALIGN_WORDS)
 
     @property
     def dynamic_shared_bytes(self):
@@ -97,65 +98,48 @@ def wgmma_specs():
             for dtype in MMA_DTYPES for m in (False, True) for p in (False, True)]
 
 
-def make_copy_cores(ROWS, WIDTH):
-    CHUNKS = WIDTH // 8  # 16-byte pieces a row: core matrices along K
-    ITEMS = ROWS * CHUNKS
+def make_copy_swizzled(ROWS, WIDTH):
+    CHUNKS = WIDTH // 8  # 16-byte pieces a row
+    ROWS_AT_ONCE = THREADS // CHUNKS  # rows the block copies in one pass: a multiple of 8
+    PASSES = ROWS // ROWS_AT_ONCE
+    BLOCK_WORDS = ROWS * ROW_WORDS  # a block of COLUMNS columns
+    assert THREADS % CHUNKS == 0 and ROWS_AT_ONCE % 8 == 0 and ROWS % ROWS_AT_ONCE == 0
 
     @kernel_part
-    def copy_cores(words, at, x, base, start, n, width):
+    def copy_swizzled(words, at, x, base, start, n, width):
         """Rows start .. start + ROWS of the (n, width) matrix at flat element `base` of x
-        (16-bit, C-contiguous) to the tile at word `at` as core matrices: row r's chunk c
-        at core (r // 8) * CHUNKS + c, its row r % 8; zeros past row n and column width.
-        Item i of the block is core i // 8's row i % 8, its 16 bytes at word 4 i: a warp
-        writes 512 contiguous bytes. Not waited for here."""
-        for i in range(cuda.threadIdx.x, ITEMS, THREADS):
-            core = i // 8
-            row, c = (core // CHUNKS) * 8 + i % 8, core % CHUNKS
-            ok = c * 8 < width and start + row < n
-            warp.cp_async16(words, at + 4 * i, x, base + (start + row) * width + c * 8
-                            if ok else base, 16 if ok else 0)
+        (16-bit, C-contiguous, width % 8 == 0) to the tile at word `at` (1024-byte aligned)
+        in the 128-byte swizzle, zeros past row n and column width. Thread tid copies chunk
+        c = tid % CHUNKS of rows r = tid // CHUNKS + p ROWS_AT_ONCE: r % 8, so where the
+        chunk lands in its row, is the same on every pass. Not waited for here."""
+        tid = cuda.threadIdx.x
+        r, c = tid // CHUNKS, tid % CHUNKS
+        src = base + (start + r) * width + c * 8  # flat element of pass 0
+        dst = at + (c // 8) * BLOCK_WORDS + r * ROW_WORDS + 4 * ((c % 8) ^ (r % 8))
+        for p in range(PASSES):
+            ok = c * 8 < width and start + r + p * ROWS_AT_ONCE < n
+            warp.cp_async16(words, dst + p * ROWS_AT_ONCE * ROW_WORDS, x,
+                            src + p * ROWS_AT_ONCE * width if ok else base, 16 if ok else 0)
 
-    return copy_cores
-
-
-def make_transpose_v(DV, V_ROW):
-    PIECES = KEYS // 8 * DV // 32  # ldmatrix.x4 of the tile: 4 core matrices each
-    GROUPS = DV // 32  # x4 pieces along Dv, for each 8 keys
-
-    @kernel_part
-    def transpose_v(words, v_at, vt_at, lane, w):
-        """V^T's core matrices from the V tile at word v_at (rows of V_ROW words) to vt_at:
-        core (n // 8, key // 8) at word ((n // 8) (KEYS / 8) + key // 8) * 32, its row n % 8
-        the keys of column n. Matrix m of an ldmatrix.x4.trans is keys 8 kb .., columns
-        8 (c0 + m) .., which lane 4 i + j holds as column i's keys 2 j, 2 j + 1: word
-        4 i + j of the core matrix, so the warp stores 32 contiguous words a matrix."""
-        for piece in range(w, PIECES, 4):
-            kb, c0 = piece // GROUPS, piece % GROUPS * 4
-            r0, r1, r2, r3 = warp.ldmatrix_x4_trans(
-                words, v_at + (8 * kb + lane % 8) * V_ROW + 4 * (c0 + lane // 8))
-            at = vt_at + (c0 * (KEYS // 8) + kb) * CORE_WORDS + lane
-            step = KEYS // 8 * CORE_WORDS  # the next 8 columns
-            words[at] = r0
-            words[at + step] = r1
-            words[at + 2 * step] = r2
-            words[at + 3 * step] = r3
-
-    return transpose_v
+    return copy_swizzled
 
 
 def make_scores(D, mma):
-    SBO = 16 * D  # the next 8 rows: after the row's D / 8 core matrices
     FLOATS = KEYS // 2  # the accumulator's, a thread (a literal for the intrinsics)
+    Q_BLOCK, K_BLOCK = BLOCK_M * ROW_WORDS, KEYS * ROW_WORDS  # words: 64 columns of each
 
     @kernel_part
     def scores(words, q_at, k_at, s):
         """S = Q K^T into the fragment array s (KEYS / 8, 4): D / 16 products, Q (A) and K
-        (B) through descriptors, step kk's two core matrices along K 256 bytes in."""
+        (B) through swizzled K-major descriptors, step kk 32 bytes into its block's rows."""
         acc = warpgroup.accumulator(FLOATS)
         warpgroup.wgmma_fence()
         for kk in range(D // 16):
-            acc = mma(warpgroup.descriptor(words, q_at + 64 * kk, LBO, SBO, 0),
-                      warpgroup.descriptor(words, k_at + 64 * kk, LBO, SBO, 0), acc)
+            step = 8 * (kk % 4)  # words: 16 values of K
+            acc = mma(warpgroup.descriptor(words, q_at + kk // 4 * Q_BLOCK + step, K_MAJOR_LBO,
+                                           GROUP_BYTES, SWIZZLE),
+                      warpgroup.descriptor(words, k_at + kk // 4 * K_BLOCK + step, K_MAJOR_LBO,
+                                           GROUP_BYTES, SWIZZLE), acc)
         warpgroup.wgmma_commit()
         warpgroup.wgmma_wait(0)
         warpgroup.fragment_store(s, acc)
@@ -163,21 +147,23 @@ def make_scores(D, mma):
     return scores
 
 
-def make_pv(DV, mma_regs, pack):
-    SBO = 16 * KEYS  # V^T: the next 8 columns of V after KEYS / 8 core matrices
+def make_pv(DV, mma_regs_mn, pack):
+    V_LBO = KEYS * SWIZZLE  # bytes: V's next 64 columns (N)
+    STEP_WORDS = 16 * ROW_WORDS  # 16 keys: a step of K
     FLOATS = DV // 2  # the accumulator's, a thread (a literal for the intrinsics)
 
     @kernel_part
-    def pv(words, vt_at, s, o):
+    def pv(words, v_at, s, o):
         """o += P V: KEYS / 16 products, P from s (16-bit, A registers: n-blocks 2 n2 and
-        2 n2 + 1 as mma.sync's A fragment), V^T (B) through descriptors."""
+        2 n2 + 1 as mma.sync's A fragment), V (B) MN-major through swizzled descriptors."""
         acc = warpgroup.fragment_tuple(o, FLOATS)
         warpgroup.wgmma_fence()
         for n2 in range(KEYS // 16):
             p = (pack(s[2 * n2, 0], s[2 * n2, 1]), pack(s[2 * n2, 2], s[2 * n2, 3]),
                  pack(s[2 * n2 + 1, 0], s[2 * n2 + 1, 1]),
                  pack(s[2 * n2 + 1, 2], s[2 * n2 + 1, 3]))
-            acc = mma_regs(p, warpgroup.descriptor(words, vt_at + 64 * n2, LBO, SBO, 0), acc)
+            acc = mma_regs_mn(p, warpgroup.descriptor(words, v_at + n2 * STEP_WORDS, V_LBO,
+                                                      GROUP_BYTES, SWIZZLE), acc)
         warpgroup.wgmma_commit()
         warpgroup.wgmma_wait(0)
         warpgroup.fragment_store(o, acc)
@@ -187,14 +173,14 @@ def make_pv(DV, mma_regs, pack):
 
 def make_copy_tiles(spec):
     lay = spec.layout
-    copy_k, copy_v = make_copy_cores(KEYS, spec.d), make_copy_tile(KEYS, spec.dv, lay["v_row"])
-    K_AT, STAGE, V_AT = lay["k_at"], lay["stage"], lay["v_at"]
+    copy_k, copy_v = make_copy_swizzled(KEYS, spec.d), make_copy_swizzled(KEYS, spec.dv)
+    K_AT, V_AT, STAGE = lay["k_at"], lay["v_at"], lay["stage"]
 
     @kernel_part
     def copy_tiles(words, base, k, v, k_base, v_base, start, n, d, d_v, stage):
-        """Keys start .. start + KEYS: K's tile into `stage`, V's as it is (one group)."""
+        """Keys start .. start + KEYS: K's and V's tiles into `stage`, one group."""
         copy_k(words, base + K_AT + stage * STAGE, k, k_base, start, n, d)
-        copy_v(words, base + V_AT, v, v_base, start, n, d_v)
+        copy_v(words, base + V_AT + stage * STAGE, v, v_base, start, n, d_v)
         warp.cp_async_commit()
 
     return copy_tiles
@@ -206,16 +192,16 @@ def kernel_source(spec):
     spec.check()
     D, DV, lay = spec.d, spec.dv, spec.layout
     NB, VB = KEYS // 8, DV // 8
-    Q_AT, K_AT, STAGE, VT_AT, V_AT = (lay[x] for x in ("q_at", "k_at", "stage", "vt_at", "v_at"))
+    Q_AT, K_AT, V_AT, STAGE = (lay[x] for x in ("q_at", "k_at", "v_at", "stage"))
     READS = spec.has_mask
     if spec.dtype == "float16":
-        mma, mma_regs, pack = warpgroup.mma_async_f16, warpgroup.mma_async_regs_f16, warp.pack_f16
+        mma, mma_regs_mn, pack = (warpgroup.mma_async_f16, warpgroup.mma_async_regs_mn_f16,
+                                  warp.pack_f16)
     else:
-        mma, mma_regs, pack = (warpgroup.mma_async_bf16, warpgroup.mma_async_regs_bf16,
-                               warp.pack_bf16)
-    copy_q, copy_tiles = make_copy_cores(BLOCK_M, D), make_copy_tiles(spec)
-    transpose_v = make_transpose_v(DV, lay["v_row"])
-    scores, pv = make_scores(D, mma), make_pv(DV, mma_regs, pack)
+        mma, mma_regs_mn, pack = (warpgroup.mma_async_bf16, warpgroup.mma_async_regs_mn_bf16,
+                                  warp.pack_bf16)
+    copy_q, copy_tiles = make_copy_swizzled(BLOCK_M, D), make_copy_tiles(spec)
+    scores, pv = make_scores(D, mma), make_pv(DV, mma_regs_mn, pack)
     this_block, init_rows = make_this_block(False), make_init_rows(VB)
     walk = make_tile_walk(spec.has_mask, KEYS)
     walk_steps, step_tile, reads_mask, WALK_STEP = (walk.walk_steps, walk.step_tile,
@@ -240,7 +226,7 @@ def kernel_source(spec):
 
         tid = cuda.threadIdx.x
         w, lane = tid // 32, tid % 32
-        base = warpgroup.aligned_index(words, 128)
+        base = warpgroup.aligned_index(words, GROUP_BYTES)  # the swizzle's alignment
         b, h, tile, split, ob = this_block(heads_q, kv_lengths.shape[0], right)
         hk = h // group  # grouped-query attention: query head h reads key head h // group
         q_base, k_base, v_base = head_bases(b, h, hk, heads_q, k, n_q, d, d_v)
@@ -265,10 +251,8 @@ def kernel_source(spec):
             if start_n >= last:
                 break  # the band ends before the list
             warp.cp_async_wait(0)  # this thread's copies of this tile have landed
-            cuda.syncthreads()  # Barrier: every thread's have; V^T and the stages are free.
-            transpose_v(words, base + V_AT, base + VT_AT, lane, w)
-            warpgroup.fence_proxy_async()  # the copies and V^T, for wgmma's reads
-            cuda.syncthreads()  # Barrier: V^T whole; V's tile read.
+            warpgroup.fence_proxy_async()  # and are visible to wgmma's reads
+            cuda.syncthreads()  # Barrier: every thread's are; the other stage is free.
             following = step_tile(visible, cb, ch, tile, t + WALK_STEP)  # or the sentinel
             if following < last:
                 copy_tiles(words, base, k, v, k_base, v_base, following, last, d, d_v,
@@ -285,7 +269,7 @@ def kernel_source(spec):
                            row0, start_n + BLOCK_N, lo, hi, interior, whole_rows, n_q,
                            read_mask, biased, lane)
             online_softmax(s, m_i, l_i, acc, False)
-            pv(words, base + VT_AT, s, acc)  # O += P V
+            pv(words, base + V_AT + stage * STAGE, s, acc)  # O += P V
             stage = 1 - stage
             start_n = following
         warp.cp_async_wait(0)  # Q, where no tile was walked

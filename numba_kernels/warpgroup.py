@@ -1,8 +1,8 @@
 """Hopper's warpgroup instructions from Python (sm_90a): wgmma.mma_async with both operands in
 shared memory, read through matrix descriptors, and the fences and groups that order it. On
 the GPU each is one inline-PTX instruction (a Numba @intrinsic); in the simulator each is
-Python with the same per-thread result, as warp.py does for mma.sync. No shipped kernel uses
-them yet; the H100 and the H200 agree with the layouts below (tests/test_warpgroup.py,
+Python with the same per-thread result, as warp.py does for mma.sync; flash_wgmma.py's forward
+is made of them. The H100 and the H200 agree with the layouts below (tests/test_warpgroup.py,
 tests/test_tma.py).
 
 A warpgroup is 4 consecutive warps, 128 threads whose first is a multiple of 128; thread t of
@@ -22,7 +22,15 @@ memory, "K-major" (a row of A, or a column of B, along K), in one of two layouts
 
 A may instead come from registers (mma_async_regs_*, as FlashAttention-3's P V takes P): four
 uint32 a thread, warp w's rows 16 w .. 16 w + 15 as mma.sync's A fragment (a_fragments), B
-from shared memory as above.
+from shared memory as above, or B "MN-major" (mma_async_regs_mn_*: the instruction's
+transpose flag; N contiguous, as V's rows are P V's B), laid out as operand_address(...,
+mn_major=True) says:
+- no swizzle: core matrices of 8 rows along K by 16 bytes (eight values along N), adjacent
+  along N SBO bytes apart, along K LBO bytes apart;
+- 128-byte swizzle: rows along K of 64 values along N (128 bytes), 8 rows a 1024-byte group,
+  groups along K SBO bytes apart, the next 64 values of N LBO bytes on; swizzled as above
+  (the row-major tile TMA writes of a matrix whose rows run along K). Step s of K starts
+  2 s LBO (no swizzle) or 2 s SBO bytes in.
 
 Accumulator of thread t, N / 2 floats, like mma.sync's C fragment per warp:
 
@@ -65,32 +73,44 @@ def swizzled(at):
     return at ^ ((at >> 7) & 7) << 4
 
 
-def operand_address(start, row, k, lbo, sbo, swizzle):
+def operand_address(start, row, k, lbo, sbo, swizzle, mn_major=False):
     """The shared byte address of element (row, k) of the operand a descriptor starting at
-    `start` names (row: A's m or B's n; k: 0..15; 16-bit values); swizzle 0 or SWIZZLE."""
+    `start` names (row: A's m or B's n; k: 0..15; 16-bit values); swizzle 0 or SWIZZLE;
+    K-major, or with mn_major B read with its transpose flag."""
+    if mn_major and swizzle == 0:
+        return (start + (row // 8) * sbo + (k // 8) * lbo + (k % 8) * CORE_BYTES
+                + (row % 8) * 2)
+    if mn_major:
+        return swizzled(start + (row // 64) * lbo + (k // 8) * sbo + (k % 8) * SWIZZLE
+                        + (row % 64) * 2)
     if swizzle == 0:
         return (start + (row // CORE_ROWS) * sbo + (k // 8) * lbo + (row % CORE_ROWS) * CORE_BYTES
                 + (k % 8) * 2)
     return swizzled(start + (row // CORE_ROWS) * sbo + (row % CORE_ROWS) * SWIZZLE + k * 2)
 
 
-def step_start(s, lbo, swizzle):
+def step_start(s, lbo, swizzle, mn_major=False, sbo=None):
     """Where step s of K (values 16 s .. 16 s + 15) starts, from the operand's start: two core
-    matrices along K a step without swizzle, 32 bytes of each 128-byte row with it."""
+    matrices along K a step without swizzle, 32 bytes of each 128-byte row with it; MN-major,
+    two core matrices (LBO) or two 8-row groups (SBO) along K."""
+    if mn_major:
+        return s * 2 * (lbo if swizzle == 0 else sbo)
     return s * 2 * lbo if swizzle == 0 else s * 32
 
 
-def operand_image(matrix, lbo, sbo, swizzle=0):
+def operand_image(matrix, lbo, sbo, swizzle=0, mn_major=False):
     """A (rows, 16 steps) array of 16-bit values -> the uint32 words of shared memory that
     hold it, from a 1024-byte aligned start, in the layout operand_address reads step by step
-    (with the swizzle: K of 64 values, one 128-byte row)."""
+    (with the swizzle: K of 64 values, one 128-byte row; MN-major, rows of 64)."""
     bits = np.ascontiguousarray(matrix).view(np.uint16)
     rows, ks = bits.shape
-    if ks % 16 or rows % CORE_ROWS or lbo % 16 or sbo % 16 or (swizzle and ks != 64):
-        raise ValueError(f"operand_image: rows {rows} (a multiple of 8), K {ks} (of 16; 64 "
-                         f"with the swizzle), lbo {lbo} and sbo {sbo} (of 16) expected")
-    where = {(r, 16 * s + k): operand_address(step_start(s, lbo, swizzle), r, k, lbo, sbo,
-                                              swizzle)
+    whole = rows % 64 == 0 if mn_major else ks == 64
+    if ks % 16 or rows % CORE_ROWS or lbo % 16 or sbo % 16 or (swizzle and not whole):
+        raise ValueError(f"operand_image: rows {rows} (a multiple of 8; of 64 MN-major with "
+                         f"the swizzle), K {ks} (of 16; 64 K-major with the swizzle), lbo "
+                         f"{lbo} and sbo {sbo} (of 16) expected")
+    where = {(r, 16 * s + k): operand_address(step_start(s, lbo, swizzle, mn_major, sbo), r,
+                                              k, lbo, sbo, swizzle, mn_major)
              for s in range(ks // 16) for r in range(rows) for k in range(16)}
     image = np.zeros(-(-(max(where.values()) + 2) // 4) * 2, np.uint16)
     for (r, k), at in where.items():
@@ -196,9 +216,9 @@ if SIMULATOR:
         """This thread's index in its warpgroup."""
         return cuda.threadIdx.x % WARPGROUP
 
-    def _element(desc, row, k, dtype):
+    def _element(desc, row, k, dtype, mn_major=False):
         words, start, lbo, sbo, swizzle = desc
-        at = operand_address(start, row, k, lbo, sbo, swizzle)
+        at = operand_address(start, row, k, lbo, sbo, swizzle, mn_major)
         word = int(words[at // 4]) & 0xFFFFFFFF
         return bits_value(word >> 16 if at % 4 else word & 0xFFFF, dtype)
 
@@ -222,9 +242,9 @@ if SIMULATOR:
                     out.append(np.float32(s + float(acc[4 * j + 2 * half + c])))
         return tuple(out)
 
-    def _mma_async_regs(dtype, a, desc_b, acc):
+    def _mma_async_regs(dtype, a, desc_b, acc, mn_major=False):
         """The product with A from each thread's registers: the warp's lanes meet (32
-        shuffles) for its 16 rows of A; the rest as _mma_async."""
+        shuffles) for its 16 rows of A; the rest as _mma_async, B MN-major or not."""
         n = 2 * len(acc)
         _check_shape(n)
         if desc_b[1] % 16:
@@ -238,7 +258,8 @@ if SIMULATOR:
         for j in range(n // 8):
             for half in range(2):
                 for c in range(2):
-                    col = [_element(desc_b, 8 * j + 2 * q + c, k, dtype) for k in range(16)]
+                    col = [_element(desc_b, 8 * j + 2 * q + c, k, dtype, mn_major)
+                           for k in range(16)]
                     s = sum(float(x) * float(y) for x, y in zip(rows16[g + 8 * half], col))
                     out.append(np.float32(s + float(acc[4 * j + 2 * half + c])))
         return tuple(out)
@@ -250,6 +271,14 @@ if SIMULATOR:
     def mma_async_regs_bf16(a, desc_b, acc):
         """acc + A B, A from registers (a: 4 uint32, a_fragments' layout), bfloat16."""
         return _mma_async_regs("bfloat16", a, desc_b, acc)
+
+    def mma_async_regs_mn_f16(a, desc_b, acc):
+        """acc + A B, A from registers, B MN-major (its transpose flag), float16."""
+        return _mma_async_regs("float16", a, desc_b, acc, True)
+
+    def mma_async_regs_mn_bf16(a, desc_b, acc):
+        """acc + A B, A from registers, B MN-major (its transpose flag), bfloat16."""
+        return _mma_async_regs("bfloat16", a, desc_b, acc, True)
 
     def mma_async_f16(desc_a, desc_b, acc):
         """acc + A B for one m64nNk16 of float16 operands (N = 2 len(acc))."""
@@ -417,9 +446,10 @@ else:
 
     setmaxnreg_inc, setmaxnreg_dec = _setmaxnreg("inc"), _setmaxnreg("dec")
 
-    def _make_mma_async(kind, regs):
+    def _make_mma_async(kind, regs, mn_major=False):
         """The m64nNk16 intrinsic of 16-bit type `kind`: A through a descriptor, or with regs
-        from four uint32 registers a thread (then without A's transpose flag)."""
+        from four uint32 registers a thread (then without A's transpose flag); B's transpose
+        flag set with mn_major."""
         @intrinsic
         def mma_async(typingctx, a, desc_b, acc):
             if not isinstance(acc, types.UniTuple) or acc.dtype != types.float32 or (regs and not (
@@ -431,7 +461,9 @@ else:
             n_a = 4 if regs else 1  # A's operands
             outs = ",".join(f"${i}" for i in range(r))
             a_text = "{" + ",".join(f"${r + i}" for i in range(4)) + "}" if regs else f"${r}"
-            flags = "1, 1, 0" if regs else "1, 1, 0, 0"  # scale A, scale B, transposes
+            trans_b = 1 if mn_major else 0
+            # scale A, scale B, the transposes (A's only where A is in shared memory)
+            flags = f"1, 1, {trans_b}" if regs else f"1, 1, 0, {trans_b}"
             # scale-d is a predicate: p = (1 != 0), D accumulates
             text = (f"{{ .reg .pred p; setp.ne.b32 p, ${r + n_a + 1}, 0;\n"
                     f"wgmma.mma_async.sync.aligned.m64n{2 * r}k16.f32.{kind}.{kind} "
@@ -459,6 +491,8 @@ else:
     mma_async_f16, mma_async_bf16 = _make_mma_async("f16", False), _make_mma_async("bf16", False)
     mma_async_regs_f16 = _make_mma_async("f16", True)
     mma_async_regs_bf16 = _make_mma_async("bf16", True)
+    mma_async_regs_mn_f16 = _make_mma_async("f16", True, True)
+    mma_async_regs_mn_bf16 = _make_mma_async("bf16", True, True)
 
 
 @device_function

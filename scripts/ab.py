@@ -6,7 +6,8 @@ Each revision runs in a process of its own, from a git worktree of it outside th
 (DIR/REV, default .ab/REV, made with `git worktree add` unless it is there already; --new
 defaults to the working tree as it is). Both run the same calls of the public API
 (flash_attention and flash_attention_backward, by kernel= and precision=) on the same inputs:
-the SIMT and tensor-core forwards in every dtype, float32 on halves, split-KV decoding, the
+the SIMT and tensor-core forwards in every dtype (mma.sync, and wgmma on a Hopper GPU),
+float32 on halves, split-KV decoding, the
 plain, tuned and tensor-core backwards, block-sparse forwards (a table of 128 x 128 blocks,
 `block_mask=`, 11.8% or all of them kept, and the boolean mask it stands for). Each call is
 timed by CUDA events (median of repeats
@@ -34,6 +35,10 @@ CALLS = {
                         dict(kernel="mma", causal="bottom_right")),
     "mma fp32 halves": ("fwd", (2, 16, 4096, 4096, 128), "float32",
                         dict(kernel="mma", precision="high")),
+    "wgmma bf16": ("fwd", (2, 16, 8192, 8192, 128), "bfloat16", dict(kernel="wgmma")),
+    "wgmma fp16 causal": ("fwd", (2, 16, 8192, 8192, 128), "float16",
+                          dict(kernel="wgmma", causal="bottom_right")),
+    "wgmma bf16 d64": ("fwd", (4, 16, 4096, 4096, 64), "bfloat16", dict(kernel="wgmma")),
     "mma fp16 decoding": ("fwd", (8, 8, 1, 32768, 128), "float16", dict(kernel="mma")),
     "simt fp32 decoding": ("fwd", (8, 8, 1, 32768, 128), "float32", dict(kernel="simt")),
     "plain fp32": ("fwd-plain", (1, 4, 512, 512, 64), "float32", {}),

@@ -14,23 +14,37 @@ from tests.assembly import run_compiler_script
 LBO = 128  # the two core matrices along K of a step: 128 bytes apart
 
 
-def make_chain(n, steps, dtype, swizzle=0, regs=False):
+def b_offsets(n, steps, swizzle, mn_major):
+    """B's (LBO, SBO) in make_chain's images: K-major as A's; MN-major without swizzle the
+    n / 8 core matrices of 8 values of K one after another, then the next 8 of K; with it
+    each 64 values of N a block of 16 steps' rows of 128 bytes."""
+    if not mn_major:
+        return (LBO, 256 * steps) if swizzle == 0 else (16, 1024)
+    return (16 * n, 128) if swizzle == 0 else (16 * steps * 128, 1024)
+
+
+def make_chain(n, steps, dtype, swizzle=0, regs=False, mn_major=False):
     """A 128-thread kernel: A (64, 16 steps) and B^T (n, 16 steps), as operand_image lays
-    them out (swizzled: steps = 4, rows of 128 bytes), copied to shared memory 1024-byte
-    aligned; `steps` wgmma m64nNk16 on one accumulator, step s's operands from word starts[s]
-    of each (step_start), or with regs A from each thread's registers (a_frags[s, t], as
-    a_fragments lays them out); each thread's accumulator to out[t]. Returns (kernel, lbo,
-    sbo)."""
+    them out (swizzled: steps = 4, rows of 128 bytes; B MN-major with mn_major, A then from
+    registers), copied to shared memory 1024-byte aligned; `steps` wgmma m64nNk16 on one
+    accumulator, step s's operands from word starts[s] of A and b_starts[s] of B
+    (step_start), or with regs A from each thread's registers (a_frags[s, t], as a_fragments
+    lays them out); each thread's accumulator to out[t]. Returns (kernel, A's (lbo, sbo),
+    B's)."""
     a_words, b_words = 64 * 8 * steps, n * 8 * steps
-    lbo, sbo = (LBO, 256 * steps) if swizzle == 0 else (16, 1024)
+    lbo, sbo = b_offsets(64, steps, swizzle, False)
+    b_lbo, b_sbo = b_offsets(n, steps, swizzle, mn_major)
     words_size = a_words + b_words + 256  # and room to align to 1024 bytes
     floats = n // 2  # the accumulator's
     mma = warpgroup.mma_async_f16 if dtype == "float16" else warpgroup.mma_async_bf16
-    mma_regs = (warpgroup.mma_async_regs_f16 if dtype == "float16"
-                else warpgroup.mma_async_regs_bf16)
+    mma_regs = {("float16", False): warpgroup.mma_async_regs_f16,
+                ("bfloat16", False): warpgroup.mma_async_regs_bf16,
+                ("float16", True): warpgroup.mma_async_regs_mn_f16,
+                ("bfloat16", True): warpgroup.mma_async_regs_mn_bf16}[dtype, mn_major]
+    assert regs or not mn_major
 
     @cuda.jit
-    def chain(image_a, image_b, a_frags, starts, out):
+    def chain(image_a, image_b, a_frags, starts, b_starts, out):
         words = cuda.shared.array(words_size, uint32)
         t = cuda.threadIdx.x
         pad = warpgroup.aligned_index(words, 1024)
@@ -44,7 +58,7 @@ def make_chain(n, steps, dtype, swizzle=0, regs=False):
         warpgroup.wgmma_fence()
         for s in range(steps):
             at = starts[s]
-            b = warpgroup.descriptor(words, pad + a_words + at, lbo, sbo, swizzle)
+            b = warpgroup.descriptor(words, pad + a_words + b_starts[s], b_lbo, b_sbo, swizzle)
             if regs:
                 acc = mma_regs((a_frags[s, t, 0], a_frags[s, t, 1], a_frags[s, t, 2],
                                 a_frags[s, t, 3]), b, acc)
@@ -55,7 +69,7 @@ def make_chain(n, steps, dtype, swizzle=0, regs=False):
         for i in range(floats):
             out[t, i] = acc[i]
 
-    return chain, lbo, sbo
+    return chain, (lbo, sbo), (b_lbo, b_sbo)
 
 
 def operands(n, steps, dtype, seed=0):
@@ -72,16 +86,19 @@ def operands(n, steps, dtype, seed=0):
     return bits, values
 
 
-def run_chain(n, steps, dtype, swizzle=0, regs=False):
+def run_chain(n, steps, dtype, swizzle=0, regs=False, mn_major=False):
     """(the kernel's D, the simulator's rule's D: each step's sum rounded once)."""
-    chain, lbo, sbo = make_chain(n, steps, dtype, swizzle, regs)
+    chain, (lbo, sbo), (b_lbo, b_sbo) = make_chain(n, steps, dtype, swizzle, regs, mn_major)
     (a_bits, b_bits), (a, b_t) = operands(n, steps, dtype)
     out = np.zeros((128, n // 2), np.float32)
     starts = np.array([warpgroup.step_start(s, lbo, swizzle) // 4 for s in range(steps)])
+    b_starts = np.array([warpgroup.step_start(s, b_lbo, swizzle, mn_major, b_sbo) // 4
+                         for s in range(steps)])
     a_frags = np.stack([warpgroup.a_fragments(a_bits[:, 16 * s:16 * s + 16])
                         for s in range(steps)])
     chain[1, 128](warpgroup.operand_image(a_bits, lbo, sbo, swizzle),
-                  warpgroup.operand_image(b_bits, lbo, sbo, swizzle), a_frags, starts, out)
+                  warpgroup.operand_image(b_bits, b_lbo, b_sbo, swizzle, mn_major), a_frags,
+                  starts, b_starts, out)
     want = np.zeros((64, n), np.float32)
     for s in range(steps):
         cut = slice(16 * s, 16 * s + 16)
@@ -124,12 +141,35 @@ def test_accumulator_matrix_follows_the_fragment_table():
     assert d[16 * 2 + 3 + 8, 8 + 3] == frags[t, 7]
 
 
+def test_the_mn_major_image_is_b_with_n_contiguous():
+    """B MN-major: without swizzle a core matrix is 8 values of K by 8 of N (16 bytes a K
+    row); with it a row of 128 bytes is 64 values of N at one K, its chunks XORed by the row
+    within 8, as TMA writes a tile of V (keys along K) 64 columns wide."""
+    n, steps = 128, 2
+    m = np.arange(n * 16 * steps, dtype=np.uint16).reshape(n, 16 * steps)  # B^T (n, K)
+    lbo, sbo = b_offsets(n, steps, 0, True)
+    image = warpgroup.operand_image(m, lbo, sbo, 0, True).view(np.uint16)
+    assert np.array_equal(image[:8], m[:8, 0]) and np.array_equal(image[8:16], m[:8, 1])
+    assert np.array_equal(image[64:72], m[8:16, 0])  # the next core matrix along N: SBO on
+    assert np.array_equal(image[lbo // 2:lbo // 2 + 8], m[:8, 8])  # along K: LBO on
+    lbo, sbo = b_offsets(n, steps, warpgroup.SWIZZLE, True)
+    image = warpgroup.operand_image(m, lbo, sbo, warpgroup.SWIZZLE, True).view(np.uint16)
+    for k in (0, 3, 9, 31):
+        for c in range(8):
+            at = k * 64 + 8 * (c ^ k % 8)
+            assert np.array_equal(image[at:at + 8], m[8 * c:8 * c + 8, k])
+            assert np.array_equal(image[lbo // 2 + at:lbo // 2 + at + 8],
+                                  m[64 + 8 * c:64 + 8 * c + 8, k])
+
+
 @pytest.mark.skipif(not SIMULATOR, reason="the simulator's wgmma")
-@pytest.mark.parametrize("dtype, steps, swizzle, regs", [
-    ("float16", 2, 0, False), ("bfloat16", 2, 0, False), ("bfloat16", 4, warpgroup.SWIZZLE, False),
-    ("float16", 4, warpgroup.SWIZZLE, True)])
-def test_the_simulators_wgmma_is_a_b_plus_d(dtype, steps, swizzle, regs):
-    got, want = run_chain(16, steps, dtype, swizzle, regs)
+@pytest.mark.parametrize("dtype, steps, swizzle, regs, mn_major", [
+    ("float16", 2, 0, False, False), ("bfloat16", 2, 0, False, False),
+    ("bfloat16", 4, warpgroup.SWIZZLE, False, False), ("float16", 4, warpgroup.SWIZZLE, True, False),
+    ("bfloat16", 2, 0, True, True), ("float16", 4, warpgroup.SWIZZLE, True, True)])
+def test_the_simulators_wgmma_is_a_b_plus_d(dtype, steps, swizzle, regs, mn_major):
+    n = 64 if mn_major and swizzle else 16
+    got, want = run_chain(n, steps, dtype, swizzle, regs, mn_major)
     assert np.array_equal(got, want)
 
 
@@ -238,23 +278,26 @@ from numba import cuda, types
 from numba_kernels.numba_internals import compiling_for
 from numba_kernels.ptx_report import ptxas_figures
 import test_warpgroup as T
-chain = T.make_chain(128, 4, sys.argv[1], int(sys.argv[2]), sys.argv[3] == "True")[0]
-arr = types.Array(types.uint32, 1, "C")
+chain = T.make_chain(128, 4, sys.argv[1], int(sys.argv[2]), sys.argv[3] == "True",
+                     sys.argv[4] == "True")[0]
+arr, starts = types.Array(types.uint32, 1, "C"), types.Array(types.int64, 1, "C")
 with compiling_for((9, 0)):
     ptx, _ = cuda.compile_ptx(chain.py_func, (arr, arr, types.Array(types.uint32, 3, "C"),
-                                              types.Array(types.int64, 1, "C"),
+                                              starts, starts,
                                               types.Array(types.float32, 2, "C")),
                               cc=(9, 0, "a"))
 print(ptx.count("wgmma.mma_async"), ptxas_figures(ptx, (9, "0a")))
 """
 
 
-@pytest.mark.parametrize("dtype, swizzle, regs", [("float16", 0, False),
-                                                  ("bfloat16", warpgroup.SWIZZLE, True)])
-def test_the_kernel_assembles_for_sm_90a(dtype, swizzle, regs):
+@pytest.mark.parametrize("dtype, swizzle, regs, mn_major", [
+    ("float16", 0, False, False), ("bfloat16", warpgroup.SWIZZLE, True, False),
+    ("bfloat16", warpgroup.SWIZZLE, True, True)])
+def test_the_kernel_assembles_for_sm_90a(dtype, swizzle, regs, mn_major):
     """The same kernel source compiles for the GPU (sm_90a: wgmma exists only there) and
-    ptxas takes it, m64n128k16, without spills; A from shared memory or from registers."""
-    out = run_compiler_script(ASSEMBLE, dtype, str(swizzle), str(regs))
+    ptxas takes it, m64n128k16, without spills; A from shared memory or from registers, B
+    K-major or MN-major."""
+    out = run_compiler_script(ASSEMBLE, dtype, str(swizzle), str(regs), str(mn_major))
     count, figures = out.strip().splitlines()[-1].split(" ", 1)
     assert int(count) == 4, out  # one product a step
     assert "'spill_stores': 0" in figures and "'stack_frame': 0" in figures, figures
@@ -264,12 +307,13 @@ def test_the_kernel_assembles_for_sm_90a(dtype, swizzle, regs):
 @pytest.mark.skipif(SIMULATOR, reason="a GPU test (pytest -m gpu on a GPU machine)")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("swizzle", [0, warpgroup.SWIZZLE])
-@pytest.mark.parametrize("regs", [False, True])
-def test_wgmma_on_the_gpu_is_a_b_plus_d_in_the_documented_layouts(dtype, swizzle, regs):
+@pytest.mark.parametrize("regs, mn_major", [(False, False), (True, False), (True, True)])
+def test_wgmma_on_the_gpu_is_a_b_plus_d_in_the_documented_layouts(dtype, swizzle, regs,
+                                                                   mn_major):
     """On the GPU: m64n128k16, four steps on one accumulator, A from shared memory or from
-    registers, against NumPy; the tensor cores cut products to the accumulator's ulp, so a
-    few ulps of the sums apart, where a wrong operand or accumulator layout is off by the
-    values themselves."""
-    got, want = run_chain(128, 4, dtype, swizzle, regs)
+    registers, B K-major or MN-major, against NumPy; the tensor cores cut products to the
+    accumulator's ulp, so a few ulps of the sums apart, where a wrong operand or accumulator
+    layout is off by the values themselves."""
+    got, want = run_chain(128, 4, dtype, swizzle, regs, mn_major)
     err = float(np.abs(got - want).max())
     assert err <= 1e-5 * float(np.abs(want).max()) * 16, err

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import verify  # noqa: F401  (selects the simulator on a machine without a GPU)
+from numba import cuda  # noqa: E402  (after verify's choice of the simulator)
 from numba_kernels import flash_attention, kernel_plan
 from numba_kernels.convert import SIMULATOR
 from numba_kernels.plan import hopper_why_not
@@ -48,33 +49,45 @@ def test_the_wgmma_forward_passes_verify_cases(name, dtype):
     assert result.verdict == "pass", result.detail
 
 
-@pytest.mark.long
-@pytest.mark.skipif(not SIMULATOR, reason="the simulator's wgmma; the GPU runs the cases above")
-def test_a_v_transposed_wrongly_fails(monkeypatch):
-    """V^T's core matrices from ldmatrix.trans: stored in the wrong order (the columns of
-    one 8 x 8 piece swapped with the next's) the output is wrong, and verify says so."""
-    from numba_kernels import flash_wgmma
+def unswizzled_copies(ROWS, WIDTH):
+    """A broken copy: the tile row by row, each row's chunks in order (no swizzle)."""
+    from numba_kernels import warp
     from numba_kernels.common import kernel_part
 
-    make = flash_wgmma.make_transpose_v
+    CHUNKS, BLOCK_WORDS = WIDTH // 8, ROWS * 32
 
-    def swapped(DV, V_ROW):
-        right = make(DV, V_ROW)
+    @kernel_part
+    def copy(words, at, x, base, start, n, width):
+        for i in range(cuda.threadIdx.x, ROWS * CHUNKS, 128):
+            r, c = i // CHUNKS, i % CHUNKS
+            ok = c * 8 < width and start + r < n
+            warp.cp_async16(words, at + c // 8 * BLOCK_WORDS + 32 * r + 4 * (c % 8), x,
+                            base + (start + r) * width + c * 8 if ok else base, 16 if ok else 0)
 
-        @kernel_part
-        def transpose_v(words, v_at, vt_at, lane, w):
-            right(words, v_at, vt_at, lane, w)
-            right(words, v_at, vt_at + 32, lane, w)  # each piece one core matrix on
+    return copy
 
-        return transpose_v
 
-    monkeypatch.setattr(flash_wgmma, "make_transpose_v", swapped)
+@pytest.mark.long
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's wgmma; the GPU runs the cases above")
+@pytest.mark.parametrize("broken", ["V read K-major", "tiles not swizzled"])
+def test_a_wrong_shared_layout_fails(monkeypatch, broken):
+    """Each layout fact the kernel rests on, broken once: V read without wgmma's transpose
+    flag (as if its tile were V^T: the reads leave the tile, which the simulator stops), or
+    tiles copied row-major without the 128-byte swizzle the descriptors read (wrong values).
+    verify fails both."""
+    from numba_kernels import flash_wgmma, warpgroup
+
+    if broken == "V read K-major":
+        monkeypatch.setattr(warpgroup, "mma_async_regs_mn_bf16", warpgroup.mma_async_regs_bf16)
+    else:
+        monkeypatch.setattr(flash_wgmma, "make_copy_swizzled", unswizzled_copies)
     flash_wgmma.wgmma_kernel.cache_clear()
     try:
         result = run_case(load("numba-wgmma"), WHOLE_TILE, seed=3)
     finally:
         flash_wgmma.wgmma_kernel.cache_clear()
     assert result.verdict == "fail"
+    assert ("raised" in str(result.detail)) == (broken == "V read K-major"), result.detail
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="on a GPU the plan depends on the GPU")
