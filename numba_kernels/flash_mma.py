@@ -211,7 +211,7 @@ def make_init_rows(VB):
     return init_rows
 
 
-def make_online_softmax(NB, VB):
+def make_row_update(NB):
     @kernel_part
     def row_update(s, m_i, l_i, half, mark):
         """Row g + 8 half of the lane: m_new, P = exp2(S - m_new) in place of S, l_i rescaled
@@ -237,18 +237,33 @@ def make_online_softmax(NB, VB):
         m_i[half] = m_new
         return alpha
 
+    return row_update
+
+
+def make_rescale(VB):
     @kernel_part
-    def online_softmax(s, m_i, l_i, acc, mark):
-        """Both rows of the lane, then acc rescaled by their alphas: skipped where both are
+    def rescale(acc, alpha0, alpha1):
+        """acc's rows g and g + 8 of the lane times their alphas: skipped where both are
         exactly 1 (the row maxima did not move: most key tiles after the first few)."""
-        alpha0 = row_update(s, m_i, l_i, 0, mark)
-        alpha1 = row_update(s, m_i, l_i, 1, mark)
         if alpha0 != ONE or alpha1 != ONE:
             for vb in range(VB):
                 acc[vb, 0] *= alpha0
                 acc[vb, 1] *= alpha0
                 acc[vb, 2] *= alpha1
                 acc[vb, 3] *= alpha1
+
+    return rescale
+
+
+def make_online_softmax(NB, VB):
+    row_update, rescale = make_row_update(NB), make_rescale(VB)
+
+    @kernel_part
+    def online_softmax(s, m_i, l_i, acc, mark):
+        """Both rows of the lane (row_update), then acc rescaled by their alphas."""
+        alpha0 = row_update(s, m_i, l_i, 0, mark)
+        alpha1 = row_update(s, m_i, l_i, 1, mark)
+        rescale(acc, alpha0, alpha1)
 
     return online_softmax
 

@@ -32,7 +32,8 @@ from .common import FASTMATH, bias_given, check_parameters, kernel_part, make_ma
 from .compile_cache import jit
 from .convert import CONVERTERS, float32, int64, uint32
 from .flash_mma import (MMA_ARG_NAMES, ONE, hand_over, head_bases, make_acc_finite,
-                        make_init_rows, make_online_softmax, make_store_out, make_this_block)
+                        make_init_rows, make_rescale, make_row_update, make_store_out,
+                        make_this_block)
 from .mma_parts import (BLOCK_M, BLOCK_N, MMA_DTYPES, MMA_WIDTHS, THREADS,
                         make_scale_and_mask)
 from .schedule import key_tiles
@@ -129,9 +130,10 @@ def make_scores(D, mma):
     Q_BLOCK, K_BLOCK = BLOCK_M * ROW_WORDS, KEYS * ROW_WORDS  # words: 64 columns of each
 
     @kernel_part
-    def scores(words, q_at, k_at, s):
-        """S = Q K^T into the fragment array s (KEYS / 8, 4): D / 16 products, Q (A) and K
-        (B) through swizzled K-major descriptors, step kk 32 bytes into its block's rows."""
+    def issue_scores(words, q_at, k_at):
+        """Issues S = Q K^T as one group of D / 16 products, Q (A) and K (B) through
+        swizzled K-major descriptors, step kk 32 bytes into its block's rows; returns the
+        accumulator, S once the group is waited for."""
         acc = warpgroup.accumulator(FLOATS)
         warpgroup.wgmma_fence()
         for kk in range(D // 16):
@@ -141,10 +143,9 @@ def make_scores(D, mma):
                       warpgroup.descriptor(words, k_at + kk // 4 * K_BLOCK + step, K_MAJOR_LBO,
                                            GROUP_BYTES, SWIZZLE), acc)
         warpgroup.wgmma_commit()
-        warpgroup.wgmma_wait(0)
-        warpgroup.fragment_store(s, acc)
+        return acc
 
-    return scores
+    return issue_scores
 
 
 def make_pv(DV, mma_regs_mn, pack):
@@ -153,9 +154,11 @@ def make_pv(DV, mma_regs_mn, pack):
     FLOATS = DV // 2  # the accumulator's, a thread (a literal for the intrinsics)
 
     @kernel_part
-    def pv(words, v_at, s, o):
-        """o += P V: KEYS / 16 products, P from s (16-bit, A registers: n-blocks 2 n2 and
-        2 n2 + 1 as mma.sync's A fragment), V (B) MN-major through swizzled descriptors."""
+    def issue_pv(words, v_at, s, o):
+        """Issues o + P V as one group of KEYS / 16 products, P from s (16-bit, A registers:
+        n-blocks 2 n2 and 2 n2 + 1 as mma.sync's A fragment), V (B) MN-major through
+        swizzled descriptors; returns the accumulator, o + P V once the group is waited
+        for. Until then neither o's values nor V's tile may change."""
         acc = warpgroup.fragment_tuple(o, FLOATS)
         warpgroup.wgmma_fence()
         for n2 in range(KEYS // 16):
@@ -165,25 +168,51 @@ def make_pv(DV, mma_regs_mn, pack):
             acc = mma_regs_mn(p, warpgroup.descriptor(words, v_at + n2 * STEP_WORDS, V_LBO,
                                                       GROUP_BYTES, SWIZZLE), acc)
         warpgroup.wgmma_commit()
-        warpgroup.wgmma_wait(0)
-        warpgroup.fragment_store(o, acc)
+        return acc
 
-    return pv
+    return issue_pv
 
 
-def make_copy_tiles(spec):
-    lay = spec.layout
-    copy_k, copy_v = make_copy_swizzled(KEYS, spec.d), make_copy_swizzled(KEYS, spec.dv)
-    K_AT, V_AT, STAGE = lay["k_at"], lay["v_at"], lay["stage"]
+def make_copy_stage(WIDTH, AT, STAGE):
+    copy = make_copy_swizzled(KEYS, WIDTH)
 
     @kernel_part
-    def copy_tiles(words, base, k, v, k_base, v_base, start, n, d, d_v, stage):
-        """Keys start .. start + KEYS: K's and V's tiles into `stage`, one group."""
-        copy_k(words, base + K_AT + stage * STAGE, k, k_base, start, n, d)
-        copy_v(words, base + V_AT + stage * STAGE, v, v_base, start, n, d_v)
+    def copy_stage(words, base, x, x_base, start, n, width, stage, copying):
+        """Where `copying`, keys start .. start + KEYS of K or V into `stage`; one group of
+        copies either way (empty without), so that every tile commits the same groups."""
+        if copying:
+            copy(words, base + AT + stage * STAGE, x, x_base, start, n, width)
         warp.cp_async_commit()
 
-    return copy_tiles
+    return copy_stage
+
+
+def make_tile_softmax(spec):
+    scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
+                                         spec.has_mask)
+    row_update = make_row_update(KEYS // 8)
+    reads_mask = make_tile_walk(spec.has_mask, KEYS).reads_mask
+    READS, NB_HALF = spec.has_mask, BLOCK_N // 8
+    assert KEYS == 2 * BLOCK_N
+
+    @kernel_part
+    def tile_softmax(s, m_i, l_i, qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0,
+                     start_n, lo, hi, lo_last, hi_first, whole_rows, n_q, visible, cb, ch,
+                     tile, t, biased, lane):
+        """S of the tile at start_n (walk step t) scaled and masked by flash_mma's parts,
+        its two tiles of BLOCK_N keys one after the other (one loop over the 32 elements of
+        s would not be unrolled, and s would live in local memory); then P = exp2(S - m_new)
+        in its place, the rows' max and sum updated; returns the rows' alphas for acc."""
+        interior = start_n >= lo_last and start_n + KEYS <= hi_first  # all rows see it
+        read_mask = READS and reads_mask(visible, cb, ch, tile, t)
+        scale_and_mask(s[:NB_HALF], qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0,
+                       start_n, lo, hi, interior, whole_rows, n_q, read_mask, biased, lane)
+        scale_and_mask(s[NB_HALF:], qk_scale, mask, bias, mask_steps, bias_steps, b, h, row0,
+                       start_n + BLOCK_N, lo, hi, interior, whole_rows, n_q, read_mask,
+                       biased, lane)
+        return row_update(s, m_i, l_i, 0, False), row_update(s, m_i, l_i, 1, False)
+
+    return tile_softmax
 
 
 def kernel_source(spec):
@@ -191,26 +220,22 @@ def kernel_source(spec):
     flash_mma's arguments (MMA_ARG_NAMES), of which it reads no float32 flags or factors."""
     spec.check()
     D, DV, lay = spec.d, spec.dv, spec.layout
-    NB, VB = KEYS // 8, DV // 8
+    NB, VB, FLOATS = KEYS // 8, DV // 8, DV // 2
     Q_AT, K_AT, V_AT, STAGE = (lay[x] for x in ("q_at", "k_at", "v_at", "stage"))
-    READS = spec.has_mask
     if spec.dtype == "float16":
         mma, mma_regs_mn, pack = (warpgroup.mma_async_f16, warpgroup.mma_async_regs_mn_f16,
                                   warp.pack_f16)
     else:
         mma, mma_regs_mn, pack = (warpgroup.mma_async_bf16, warpgroup.mma_async_regs_mn_bf16,
                                   warp.pack_bf16)
-    copy_q, copy_tiles = make_copy_swizzled(BLOCK_M, D), make_copy_tiles(spec)
-    scores, pv = make_scores(D, mma), make_pv(DV, mma_regs_mn, pack)
+    copy_q = make_copy_swizzled(BLOCK_M, D)
+    copy_k, copy_v = make_copy_stage(D, K_AT, STAGE), make_copy_stage(DV, V_AT, STAGE)
+    issue_scores, issue_pv = make_scores(D, mma), make_pv(DV, mma_regs_mn, pack)
     this_block, init_rows = make_this_block(False), make_init_rows(VB)
     walk = make_tile_walk(spec.has_mask, KEYS)
-    walk_steps, step_tile, reads_mask, WALK_STEP = (walk.walk_steps, walk.step_tile,
-                                                     walk.reads_mask, walk.STEP)
-    scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
-                                         spec.has_mask)
-    NB_HALF = BLOCK_N // 8
-    assert KEYS == 2 * BLOCK_N
-    online_softmax, acc_finite = make_online_softmax(NB, VB), make_acc_finite(VB)
+    walk_steps, step_tile, WALK_STEP = walk.walk_steps, walk.step_tile, walk.STEP
+    tile_softmax, rescale = make_tile_softmax(spec), make_rescale(VB)
+    READS, acc_finite = spec.has_mask, make_acc_finite(VB)
     store_out = make_store_out(DV, CONVERTERS["float32" if spec.partial else spec.dtype][1])
 
     def flash_wgmma(q, k, v, mask, visible, bias, kv_lengths, q_flags, k_flags, factors,
@@ -225,14 +250,12 @@ def kernel_source(spec):
         hi = cuda.local.array(2, int64)
 
         tid = cuda.threadIdx.x
-        w, lane = tid // 32, tid % 32
+        lane = tid % 32
         base = warpgroup.aligned_index(words, GROUP_BYTES)  # the swizzle's alignment
         b, h, tile, split, ob = this_block(heads_q, kv_lengths.shape[0], right)
-        hk = h // group  # grouped-query attention: query head h reads key head h // group
-        q_base, k_base, v_base = head_bases(b, h, hk, heads_q, k, n_q, d, d_v)
+        q_base, k_base, v_base = head_bases(b, h, h // group, heads_q, k, n_q, d, d_v)
         start_m = tile * BLOCK_M
-        whole_rows = start_m + BLOCK_M <= n_q
-        row0 = start_m + w * 16 + lane // 4  # the thread's rows: row0 and row0 + 8
+        row0 = start_m + tid // 32 * 16 + lane // 4  # the thread's rows: row0 and row0 + 8
         kv_len = int64(kv_lengths[b])
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
@@ -242,37 +265,42 @@ def kernel_source(spec):
         t0, t_end = walk_steps(visible, cb, ch, tile, first, last)
         start_n = step_tile(visible, cb, ch, tile, t0)  # past last where there is no step
         init_rows(m_i, l_i, acc, lo, hi, row0, n_q, kv_len, left, right, bottom_right)
-        copy_q(words, base + Q_AT, q, q_base, start_m, n_q, d)
-        if start_n < last:  # one group: Q and the first key tile, into stage 0
-            copy_tiles(words, base, k, v, k_base, v_base, start_n, last, d, d_v, 0)
-        warp.cp_async_commit()
-        stage = 0
+        copy_q(words, base + Q_AT, q, q_base, start_m, n_q, d)  # with K's first tile:
+        copy_k(words, base, k, k_base, start_n, last, d, 0, start_n < last)  # one group
+        copy_v(words, base, v, v_base, start_n, last, d_v, 0, start_n < last)
+        stage, pending = 0, False  # pending: the previous tile's P V is still to be done
         for t in range(t0, t_end, WALK_STEP):
             if start_n >= last:
                 break  # the band ends before the list
-            warp.cp_async_wait(0)  # this thread's copies of this tile have landed
-            warpgroup.fence_proxy_async()  # and are visible to wgmma's reads
-            cuda.syncthreads()  # Barrier: every thread's are; the other stage is free.
+            warp.cp_async_wait(1)  # this thread's copies of Q, this K tile, the last V's
+            warpgroup.fence_proxy_async()  # visible to wgmma's reads
+            cuda.syncthreads()  # Barrier: every thread's are; K's other stage is free.
             following = step_tile(visible, cb, ch, tile, t + WALK_STEP)  # or the sentinel
-            if following < last:
-                copy_tiles(words, base, k, v, k_base, v_base, following, last, d, d_v,
-                           1 - stage)
-            scores(words, base + Q_AT, base + K_AT + stage * STAGE, s)  # S = Q K^T
-            interior = start_n >= lo_last and start_n + KEYS <= hi_first  # all rows see it
-            read_mask = READS and reads_mask(visible, cb, ch, tile, t)
-            # flash_mma's tiles of keys, one after the other: one loop over the tile's 32
-            # elements of s would not be unrolled, and s would live in local memory
-            scale_and_mask(s[:NB_HALF], qk_scale, mask, bias, mask_steps, bias_steps, b, h,
-                           row0, start_n, lo, hi, interior, whole_rows, n_q, read_mask,
-                           biased, lane)
-            scale_and_mask(s[NB_HALF:], qk_scale, mask, bias, mask_steps, bias_steps, b, h,
-                           row0, start_n + BLOCK_N, lo, hi, interior, whole_rows, n_q,
-                           read_mask, biased, lane)
-            online_softmax(s, m_i, l_i, acc, False)
-            pv(words, base + V_AT + stage * STAGE, s, acc)  # O += P V
-            stage = 1 - stage
-            start_n = following
-        warp.cp_async_wait(0)  # Q, where no tile was walked
+            copy_k(words, base, k, k_base, following, last, d, 1 - stage, following < last)
+            s_acc = issue_scores(words, base + Q_AT, base + K_AT + stage * STAGE)
+            if pending:  # the previous tile's O += P V, under this tile's softmax
+                o_acc = issue_pv(words, base + V_AT + (1 - stage) * STAGE, s, acc)
+                warpgroup.wgmma_wait(1)  # S's group, the older, is done
+            else:
+                o_acc = warpgroup.fragment_tuple(acc, FLOATS)
+                warpgroup.wgmma_wait(0)
+            warpgroup.fragment_store(s, s_acc)
+            alpha0, alpha1 = tile_softmax(s, m_i, l_i, qk_scale, mask, bias, mask_steps,
+                                          bias_steps, b, h, row0, start_n, lo, hi, lo_last,
+                                          hi_first, start_m + BLOCK_M <= n_q, n_q, visible,
+                                          cb, ch, tile, t, biased, lane)
+            warpgroup.wgmma_wait(0)  # the previous P V: acc, and V's other stage, free
+            warpgroup.fragment_store(acc, o_acc)
+            rescale(acc, alpha0, alpha1)
+            copy_v(words, base, v, v_base, following, last, d_v, 1 - stage, following < last)
+            stage, pending, start_n = 1 - stage, True, following
+        warp.cp_async_wait(0)  # the last V tile (or Q, where no tile was walked)
+        if pending:  # the last tile's O += P V
+            warpgroup.fence_proxy_async()
+            cuda.syncthreads()  # Barrier: every thread's copies of it are visible
+            o_acc = issue_pv(words, base + V_AT + (1 - stage) * STAGE, s, acc)
+            warpgroup.wgmma_wait(0)
+            warpgroup.fragment_store(acc, o_acc)
         # a row that ended non-finite: flash_mma's careful variant does the block
         if hand_over(deferred, ob, h, tile, cuda.syncthreads_or(0 if acc_finite(acc) else 1),
                      tid):
