@@ -74,6 +74,36 @@ def score_sensitivity(q, k, v, *, scale=None, causal=False, mask=None, bias=None
     return result
 
 
+def lse_sensitivity(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
+                    kv_lengths=None, window=None, rows=None, truth=None):
+    """How much float32 sums of the scores' terms can move each row's lse, per unit of
+    relative error: t_i = sum_j p_ij a_ij over the keys row i sees, a_ij = |scale| sum_d
+    |q_id k_jd| + |bias_ij|, float64 (B, Hq, Nq) (0 for a row that sees no key). A score
+    summed in float32 (any order; tensor cores cut each step's terms to the accumulator's
+    ulp) errs by a few u a_ij, not u |s_ij|: where its terms cancel, a_ij >> |s_ij|; lse_i
+    moves by sum_j p_ij ds_ij. Non-finite terms count as 0. Same arguments as attention;
+    truth: its (out, lse) for these arguments, when already made."""
+    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
+                              kv_lengths=kv_lengths, window=window)
+    rows = check_rows(rows, pb.n_q)
+    xp = array_namespace(q, k, v)
+    _, lse = truth if truth is not None else forward(pb, q, k, v, mask, bias, kv_lengths,
+                                                     compute="float64", rows=rows)
+    result = xp.zeros(lse.shape, dtype="float64")
+    for blk in blocks(pb, k, v, mask, bias, kv_lengths, "float64", xp, rows):
+        q_b = xp.asarray(q[blk.b, blk.heads][:, blk.rows], dtype="float64")
+        s = scores(pb, q_b, blk, "float64", xp)
+        with quiet(xp):
+            l_b = lse[blk.b, blk.heads, blk.out_rows][..., None]
+            terms = (xp.abs(q_b) @ xp.abs(blk.k).T) * abs(pb.scale)
+            if blk.bias is not None:
+                terms = terms + xp.abs(xp.asarray(blk.bias, dtype="float64"))
+            w = xp.exp(s - xp.where(xp.isfinite(l_b), l_b, 0)) * terms  # p a
+            w = xp.where(xp.isfinite(w), w, 0)
+        result[blk.b, blk.heads, blk.out_rows] = w.sum(axis=-1)
+    return result
+
+
 def check_rows(rows, n_q):
     """rows as a list of increasing ints in [0, n_q), or None."""
     if rows is None:

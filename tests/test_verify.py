@@ -476,9 +476,63 @@ def test_large_scores_do_not_fail_a_correct_kernel_at_random(monkeypatch):
     assert failures() > 0
 
 
+def tensor_core_scores(q, k, keep=24):
+    """q k^T (q (R, D), k (N, D) of 16-bit values, float64) summed as an H200's tensor cores
+    sum it (tests/test_halves.py's model, which reproduces what the GPU returned): each step
+    of 16 products, with the accumulator, cut toward zero to the ulp of the largest of them
+    and added; the sum cut to float32 toward zero. keep < 24: the products' bits cut to that
+    many first (11: TF32's)."""
+    acc = np.zeros((q.shape[0], k.shape[0]))
+    for s0 in range(0, q.shape[1], 16):
+        terms = q[:, None, s0:s0 + 16] * k[None, :, s0:s0 + 16]
+        if keep < 24:
+            mantissa, exponent = np.frexp(terms)
+            terms = np.ldexp(np.trunc(np.ldexp(mantissa, keep)), exponent - keep)
+        addends = np.concatenate([terms, acc[..., None]], axis=-1)
+        top = np.abs(addends).max(axis=-1, keepdims=True)
+        ulp = np.ldexp(1.0, np.frexp(np.where(top > 0, top, 1.0))[1] - 24)
+        total = (np.trunc(addends / ulp) * ulp).sum(axis=-1)
+        out = total.astype(np.float32)
+        over = np.abs(out.astype(np.float64)) > np.abs(total)
+        out[over] = np.nextafter(out[over], np.float32(0))
+        acc = out.astype(np.float64)
+    return acc
+
+
+def test_a_score_whose_terms_cancel_does_not_fail_a_correct_tensor_core_kernel():
+    """The H200 case (conformance, "NaN safety on long rows", both tensor-core forwards): one
+    row that sees one key, float16, a score of 128 products up to 4.9e3 summing to -782.
+    Summed as the tensor cores sum it, lse is 2e-4 off, over lse's 16 float32 units (1.3e-4),
+    and there the plain implementation was all but exact (7e-7 off). lse's score term
+    (criterion.py) passes it, and still fails the same score from products cut to TF32's 11
+    bits."""
+    import verify.criterion as criterion
+
+    import reference
+
+    case = Case("cancelling", 12, 4, 1, 1, 8232, 128, 16, "float16", causal="top_left",
+                mask="diagonal", kv_lengths="random", values="large")
+    q, k, v, _ = make_inputs(case, 3)
+    q, k, v = q[9:10, 1:2, :1], k[9:10, :, :1], v[9:10, :, :1]  # the slice that failed
+    truth = reference.attention(q, k, v, return_lse=True)
+    term = criterion.lse_score_rounding(q, k, v, {}, truth)
+
+    def lse(keep):  # one key: lse is the score
+        s = tensor_core_scores(*(np.asarray(x[0, 0], np.float64) for x in (q, k)), keep)
+        return (s / np.sqrt(128)).astype(np.float32)[None, None, :, 0]
+
+    def passes(got, score_term):  # the plain implementation exact, as it was there
+        return criterion.compare("lse", got, truth[1], truth[1], "float32", score_term,
+                                 at_least=1.0).passed
+
+    assert float(np.abs(lse(24) - truth[1]).max()) > 1.5e-4
+    assert passes(lse(24), term) and not passes(lse(24), 0.0)
+    assert not passes(lse(11), term)
+
+
 def test_score_term_is_small_for_ordinary_scores():
     from verify.cases import Case, make_inputs
-    from verify.criterion import EPS, FLOOR_ULPS, score_rounding
+    from verify.criterion import EPS, FLOOR_ULPS, lse_score_rounding, score_rounding
 
     import reference
 
@@ -488,6 +542,9 @@ def test_score_term_is_small_for_ordinary_scores():
         truth = reference.attention(q, k, v, return_lse=True, **options)
         term = score_rounding(q, k, v, options, truth)
         assert term.shape == (2, 2) and (0 < term).all() and (term < 4 * first_term).all()
+        lse_term = lse_score_rounding(q, k, v, options, truth)  # lse: below a unit of it
+        assert lse_term.shape == (2, 2) and (0 < lse_term).all() and (
+            lse_term < first_term).all()
 
 
 def test_score_term_counts_only_the_keys_that_carry_weight():
