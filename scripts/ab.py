@@ -4,15 +4,15 @@
 
 Each revision runs in a process of its own, from a git worktree of it outside the package
 (DIR/REV, default .ab/REV, made with `git worktree add` unless it is there already; --new
-defaults to the working tree as it is). Both run the same calls of the public API
-(flash_attention and flash_attention_backward, by kernel= and precision=) on the same inputs:
-the SIMT and tensor-core forwards in every dtype (mma.sync, and wgmma on a Hopper GPU),
-float32 on halves, split-KV decoding, the
-plain, tuned and tensor-core backwards, block-sparse forwards (a table of 128 x 128 blocks,
-`block_mask=`, 11.8% or all of them kept, and the boolean mask it stands for). Each call is
-timed by CUDA events (median of repeats
-worth about 0.2 s, after a warm-up call that also compiles), old and new alternating for
---rounds rounds. Prints, per call: whether the outputs are bitwise equal, each revision's
+defaults to the working tree as it is; on a machine whose copy of the repository lacks the
+history, make the worktrees where it has it and bring the folder along). Both run the same
+calls of the public API (flash_attention and flash_attention_backward, by kernel= and
+precision=) on the same inputs: the SIMT and tensor-core forwards in every dtype (mma.sync,
+and wgmma on a Hopper GPU), float32 on halves, split-KV decoding, the plain, tuned and
+tensor-core backwards, block-sparse forwards (a table of 128 x 128 blocks, `block_mask=`,
+11.8% or all of them kept, and the boolean mask it stands for). Each call is timed by CUDA
+events (median of repeats worth about 0.2 s, after a warm-up call that also compiles), old
+and new alternating for --rounds rounds. Prints, per call: whether the outputs are bitwise equal, each revision's
 median time and new / old. Exit status 1 where an output differs.
 """
 import argparse
