@@ -52,22 +52,15 @@ def score_sensitivity(q, k, v, *, scale=None, causal=False, mask=None, bias=None
     max|d| * r_i in every channel. Only the pairs that carry weight count, so a key with a
     huge value and no weight adds nothing. Non-finite scores and values count as 0. Same
     arguments as attention; truth: its (out, lse) for these arguments, when already made."""
-    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
-                              kv_lengths=kv_lengths, window=window)
-    rows = check_rows(rows, pb.n_q)
-    xp = array_namespace(q, k, v)
-    out, lse = truth if truth is not None else forward(pb, q, k, v, mask, bias, kv_lengths,
-                                                       compute="float64", rows=rows)
+    pb, rows, xp, (out, lse) = _with_truth(q, k, v, rows, truth, scale=scale, causal=causal,
+                                           mask=mask, bias=bias, kv_lengths=kv_lengths,
+                                           window=window)
     with quiet(xp):
         out_top = xp.where(xp.isfinite(out), xp.abs(out), 0).max(axis=-1)
     result = xp.zeros(lse.shape, dtype="float64")
-    for blk in blocks(pb, k, v, mask, bias, kv_lengths, "float64", xp, rows):
-        q_b = xp.asarray(q[blk.b, blk.heads][:, blk.rows], dtype="float64")
-        s = scores(pb, q_b, blk, "float64", xp)
+    for blk, _, s, p in _weighted_blocks(pb, q, k, v, mask, bias, kv_lengths, rows, lse, xp):
         with quiet(xp):
-            l_b = lse[blk.b, blk.heads, blk.out_rows][..., None]
-            w = xp.exp(s - xp.where(xp.isfinite(l_b), l_b, 0)) * xp.abs(s)  # p |s|
-            w = xp.where(xp.isfinite(w), w, 0)
+            w = xp.where(xp.isfinite(p * xp.abs(s)), p * xp.abs(s), 0)  # p |s|
             v_top = xp.where(xp.isfinite(blk.v), xp.abs(blk.v), 0).max(axis=-1)
             total = w @ v_top + w.sum(axis=-1) * out_top[blk.b, blk.heads, blk.out_rows]
         result[blk.b, blk.heads, blk.out_rows] = total
@@ -83,25 +76,41 @@ def lse_sensitivity(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     ulp) errs by a few u a_ij, not u |s_ij|: where its terms cancel, a_ij >> |s_ij|; lse_i
     moves by sum_j p_ij ds_ij. Non-finite terms count as 0. Same arguments as attention;
     truth: its (out, lse) for these arguments, when already made."""
-    pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
-                              kv_lengths=kv_lengths, window=window)
-    rows = check_rows(rows, pb.n_q)
-    xp = array_namespace(q, k, v)
-    _, lse = truth if truth is not None else forward(pb, q, k, v, mask, bias, kv_lengths,
-                                                     compute="float64", rows=rows)
+    pb, rows, xp, (_, lse) = _with_truth(q, k, v, rows, truth, scale=scale, causal=causal,
+                                         mask=mask, bias=bias, kv_lengths=kv_lengths,
+                                         window=window)
     result = xp.zeros(lse.shape, dtype="float64")
+    for blk, q_b, _, p in _weighted_blocks(pb, q, k, v, mask, bias, kv_lengths, rows, lse, xp):
+        with quiet(xp):
+            terms = (xp.abs(q_b) @ xp.abs(blk.k).T) * abs(pb.scale)
+            if blk.bias is not None:
+                terms = terms + xp.abs(xp.asarray(blk.bias, dtype="float64"))
+            w = xp.where(xp.isfinite(p * terms), p * terms, 0)  # p a
+        result[blk.b, blk.heads, blk.out_rows] = w.sum(axis=-1)
+    return result
+
+
+def _with_truth(q, k, v, rows, truth, **options):
+    """The checked problem, rows, array namespace and (out, lse) in float64: truth where
+    given, else computed."""
+    pb = check_attention_args(q, k, v, **options)
+    rows = check_rows(rows, pb.n_q)
+    if truth is None:
+        truth = forward(pb, q, k, v, options["mask"], options["bias"], options["kv_lengths"],
+                        compute="float64", rows=rows)
+    return pb, rows, array_namespace(q, k, v), truth
+
+
+def _weighted_blocks(pb, q, k, v, mask, bias, kv_lengths, rows, lse, xp):
+    """Each block of rows (blocks) with its queries in float64, its masked scores s and the
+    weights p = exp(s - lse) (exp(s) where a row sees no key: its scores are all -inf)."""
     for blk in blocks(pb, k, v, mask, bias, kv_lengths, "float64", xp, rows):
         q_b = xp.asarray(q[blk.b, blk.heads][:, blk.rows], dtype="float64")
         s = scores(pb, q_b, blk, "float64", xp)
         with quiet(xp):
             l_b = lse[blk.b, blk.heads, blk.out_rows][..., None]
-            terms = (xp.abs(q_b) @ xp.abs(blk.k).T) * abs(pb.scale)
-            if blk.bias is not None:
-                terms = terms + xp.abs(xp.asarray(blk.bias, dtype="float64"))
-            w = xp.exp(s - xp.where(xp.isfinite(l_b), l_b, 0)) * terms  # p a
-            w = xp.where(xp.isfinite(w), w, 0)
-        result[blk.b, blk.heads, blk.out_rows] = w.sum(axis=-1)
-    return result
+            p = xp.exp(s - xp.where(xp.isfinite(l_b), l_b, 0))
+        yield blk, q_b, s, p
 
 
 def check_rows(rows, n_q):
