@@ -13,13 +13,16 @@ stores without bank conflicts. Q and K are A and B "K-major" (the head dim along
 P V's B "MN-major" (Dv along N, the keys along K: wgmma's transpose flag), so no tile is
 transposed.
 
-Per key tile: wait for its copies, a fence for the async proxy, a barrier; the next tile's
-copies begin into the other stage; S by D / 16 products (Q and K through descriptors); the
-scale, the mask and the online softmax on S's fragments; O += P V by KEYS / 16 products, P
-from the registers S left it in (converted to 16 bits: mma.sync's A fragment by warp,
-warpgroup.a_fragments). This is the fast variant only: a block whose rows end non-finite is
-flagged in `deferred` and flash_mma's careful variant does it again, as after flash_mma's
-fast one. docs/design/hopper.md says what comes next (TMA, warp specialization, pingpong).
+Per key tile j: wait for its K copy (and the previous tile's V), a fence for the async
+proxy, a barrier; K(j + 1)'s copy begins into the other stage; S(j) is issued (D / 16
+products, Q and K through descriptors), then O += P(j - 1) V(j - 1) (KEYS / 16 products, P
+from the registers S(j - 1) left it in, converted to 16 bits: mma.sync's A fragment by warp,
+warpgroup.a_fragments); S(j) alone is waited for, and its scale, mask and online softmax
+run while P V is on the tensor cores; then P V is waited for, O rescaled, and V(j + 1)'s
+copy begins into the stage P V has read. The last tile's P V follows the loop. This is the
+fast variant only: a block whose rows end non-finite is flagged in `deferred` and
+flash_mma's careful variant does it again, as after flash_mma's fast one.
+docs/design/hopper.md says what comes next (TMA, warp specialization, pingpong).
 """
 from dataclasses import astuple, dataclass
 from functools import lru_cache
@@ -40,7 +43,6 @@ from .schedule import key_tiles
 
 KEYS = 64  # keys a tile: S is one m64n64 accumulator, 32 floats a thread
 SWIZZLE = warpgroup.SWIZZLE  # the layout of every tile (a literal for the descriptors)
-COLUMNS = SWIZZLE // 2  # a swizzled block's columns: 64 16-bit values a row
 ROW_WORDS = SWIZZLE // 4  # a swizzled row, in 32-bit words
 GROUP_BYTES = 8 * SWIZZLE  # 8 rows: the swizzle's period, SBO along rows
 ALIGN_WORDS = GROUP_BYTES // 4  # room to align the tiles to it
@@ -103,7 +105,7 @@ def make_copy_swizzled(ROWS, WIDTH):
     CHUNKS = WIDTH // 8  # 16-byte pieces a row
     ROWS_AT_ONCE = THREADS // CHUNKS  # rows the block copies in one pass: a multiple of 8
     PASSES = ROWS // ROWS_AT_ONCE
-    BLOCK_WORDS = ROWS * ROW_WORDS  # a block of COLUMNS columns
+    BLOCK_WORDS = ROWS * ROW_WORDS  # a block of 64 columns
     assert THREADS % CHUNKS == 0 and ROWS_AT_ONCE % 8 == 0 and ROWS % ROWS_AT_ONCE == 0
 
     @kernel_part
