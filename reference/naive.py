@@ -45,22 +45,25 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_len
 
 def score_sensitivity(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
                       kv_lengths=None, window=None, rows=None, truth=None):
-    """How much rounding the scores moves each output row, per unit of relative error:
-    r_i = sum_j p_ij |s_ij| (max_c |v_jc| + max_c |out_ic|) over the keys row i sees, float64
-    (B, Hq, Nq) (0 for a row that sees no key). Rounding each score s_ij to s_ij (1 + d_ij)
-    moves out_i by sum_j p_ij d_ij s_ij (v_j - out_i), to first order: at most
-    max|d| * r_i in every channel. Only the pairs that carry weight count, so a key with a
-    huge value and no weight adds nothing. Non-finite scores and values count as 0. Same
-    arguments as attention; truth: its (out, lse) for these arguments, when already made."""
+    """How much float32 sums of the scores' terms can move each output row, per unit of
+    relative error: r_i = sum_j p_ij a_ij (max_c |v_jc| + max_c |out_ic|) over the keys row i
+    sees, a_ij = |scale| sum_d |q_id k_jd| + |bias_ij| (score_terms), float64 (B, Hq, Nq)
+    (0 for a row that sees no key). A score summed in float32 (any order; tensor cores cut
+    each step's terms to the accumulator's ulp) errs by a few u a_ij, its one rounding
+    included (a_ij >= |s_ij|); an error ds_ij moves out_i by sum_j p_ij ds_ij (v_j - out_i),
+    to first order: at most u r_i in every channel. Only the pairs that carry weight count,
+    so a key with a huge value and no weight adds nothing. Non-finite terms and values count
+    as 0. Same arguments as attention; truth: its (out, lse) for these arguments, when
+    already made."""
     pb, rows, xp, (out, lse) = _with_truth(q, k, v, rows, truth, scale=scale, causal=causal,
                                            mask=mask, bias=bias, kv_lengths=kv_lengths,
                                            window=window)
     with quiet(xp):
         out_top = xp.where(xp.isfinite(out), xp.abs(out), 0).max(axis=-1)
     result = xp.zeros(lse.shape, dtype="float64")
-    for blk, _, s, p in _weighted_blocks(pb, q, k, v, mask, bias, kv_lengths, rows, lse, xp):
+    for blk, q_b, p in _weighted_blocks(pb, q, k, v, mask, bias, kv_lengths, rows, lse, xp):
         with quiet(xp):
-            w = xp.where(xp.isfinite(p * xp.abs(s)), p * xp.abs(s), 0)  # p |s|
+            w = score_terms(pb, q_b, blk, p, xp)  # p a
             v_top = xp.where(xp.isfinite(blk.v), xp.abs(blk.v), 0).max(axis=-1)
             total = w @ v_top + w.sum(axis=-1) * out_top[blk.b, blk.heads, blk.out_rows]
         result[blk.b, blk.heads, blk.out_rows] = total
@@ -70,24 +73,30 @@ def score_sensitivity(q, k, v, *, scale=None, causal=False, mask=None, bias=None
 def lse_sensitivity(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
                     kv_lengths=None, window=None, rows=None, truth=None):
     """How much float32 sums of the scores' terms can move each row's lse, per unit of
-    relative error: t_i = sum_j p_ij a_ij over the keys row i sees, a_ij = |scale| sum_d
-    |q_id k_jd| + |bias_ij|, float64 (B, Hq, Nq) (0 for a row that sees no key). A score
-    summed in float32 (any order; tensor cores cut each step's terms to the accumulator's
-    ulp) errs by a few u a_ij, not u |s_ij|: where its terms cancel, a_ij >> |s_ij|; lse_i
-    moves by sum_j p_ij ds_ij. Non-finite terms count as 0. Same arguments as attention;
-    truth: its (out, lse) for these arguments, when already made."""
+    relative error: t_i = sum_j p_ij a_ij over the keys row i sees (a_ij as in
+    score_sensitivity), float64 (B, Hq, Nq) (0 for a row that sees no key): lse_i moves by
+    sum_j p_ij ds_ij. Where a score's terms cancel, a_ij >> |s_ij|. Same arguments as
+    attention; truth: its (out, lse) for these arguments, when already made."""
     pb, rows, xp, (_, lse) = _with_truth(q, k, v, rows, truth, scale=scale, causal=causal,
                                          mask=mask, bias=bias, kv_lengths=kv_lengths,
                                          window=window)
     result = xp.zeros(lse.shape, dtype="float64")
-    for blk, q_b, _, p in _weighted_blocks(pb, q, k, v, mask, bias, kv_lengths, rows, lse, xp):
+    for blk, q_b, p in _weighted_blocks(pb, q, k, v, mask, bias, kv_lengths, rows, lse, xp):
         with quiet(xp):
-            terms = (xp.abs(q_b) @ xp.abs(blk.k).T) * abs(pb.scale)
-            if blk.bias is not None:
-                terms = terms + xp.abs(xp.asarray(blk.bias, dtype="float64"))
-            w = xp.where(xp.isfinite(p * terms), p * terms, 0)  # p a
-        result[blk.b, blk.heads, blk.out_rows] = w.sum(axis=-1)
+            result[blk.b, blk.heads, blk.out_rows] = score_terms(pb, q_b, blk, p, xp).sum(
+                axis=-1)
     return result
+
+
+def score_terms(pb, q_b, blk, p, xp):
+    """p_ij a_ij for block blk's rows q_b (float64) and weights p: a_ij = |scale| sum_d
+    |q_id k_jd| + |bias_ij|, the magnitude of the terms a score is summed from; 0 where not
+    finite (hidden keys, non-finite inputs)."""
+    terms = (xp.abs(q_b) @ xp.abs(blk.k).T) * abs(pb.scale)
+    if blk.bias is not None:
+        terms = terms + xp.abs(xp.asarray(blk.bias, dtype="float64"))
+    w = p * terms
+    return xp.where(xp.isfinite(w), w, 0)
 
 
 def _with_truth(q, k, v, rows, truth, **options):
@@ -102,15 +111,15 @@ def _with_truth(q, k, v, rows, truth, **options):
 
 
 def _weighted_blocks(pb, q, k, v, mask, bias, kv_lengths, rows, lse, xp):
-    """Each block of rows (blocks) with its queries in float64, its masked scores s and the
-    weights p = exp(s - lse) (exp(s) where a row sees no key: its scores are all -inf)."""
+    """Each block of rows (blocks) with its queries in float64 and the weights p = exp(s -
+    lse) of its masked scores s (exp(s) where a row sees no key: its scores are all -inf)."""
     for blk in blocks(pb, k, v, mask, bias, kv_lengths, "float64", xp, rows):
         q_b = xp.asarray(q[blk.b, blk.heads][:, blk.rows], dtype="float64")
         s = scores(pb, q_b, blk, "float64", xp)
         with quiet(xp):
             l_b = lse[blk.b, blk.heads, blk.out_rows][..., None]
             p = xp.exp(s - xp.where(xp.isfinite(l_b), l_b, 0))
-        yield blk, q_b, s, p
+        yield blk, q_b, p
 
 
 def check_rows(rows, n_q):

@@ -530,6 +530,43 @@ def test_a_score_whose_terms_cancel_does_not_fail_a_correct_tensor_core_kernel()
     assert not passes(lse(11), term)
 
 
+def test_cancelling_scores_do_not_fail_a_correct_float32_kernel_at_random(monkeypatch):
+    """Scores whose products cancel (q's channel pairs equal to 1e-3, k's opposite): a float32
+    kernel summing each score in channel order, or the reverse, and the plain implementation
+    err by units of the products' magnitude, on different rows by chance. The floor's term
+    of a score's sum keeps every run passing; the term of its value alone (|s|, a score's
+    one rounding) fails one of them."""
+    import verify.criterion as criterion
+
+    import reference.naive
+
+    def inputs(seed):
+        rng = np.random.default_rng(seed)
+        q, k = (30 * rng.standard_normal((2, 2, n, 64)) for n in (16, 64))
+        q[..., 1::2] = q[..., ::2] * (1 + 1e-3 * rng.standard_normal(q[..., ::2].shape))
+        k[..., 1::2] = -k[..., ::2]
+        return (x.astype(np.float32) for x in (q, k, rng.standard_normal((2, 2, 64, 16))))
+
+    def kernel_f32(q, k, v, order):
+        s = np.zeros(q.shape[:-1] + k.shape[-2:-1], np.float32)
+        for d in range(q.shape[-1])[::order]:
+            s += q[..., d, None] * k[..., None, :, d]
+        s *= np.float32(1 / 8)
+        m = s.max(-1, keepdims=True)
+        p = np.exp((s - m).astype(np.float64))
+        l = p.sum(-1, keepdims=True)  # noqa: E741
+        return ((p / l) @ v).astype(np.float32), (m + np.log(l))[..., 0].astype(np.float32)
+
+    def failures():
+        return sum(not c.passed for seed in range(20) for order in (1, -1)
+                   for c in criterion.judge(*inputs(seed), *kernel_f32(*inputs(seed), order)))
+
+    assert failures() == 0
+    monkeypatch.setattr(reference.naive, "score_terms", lambda pb, q_b, blk, p, xp: np.nan_to_num(
+        p * np.abs(q_b @ blk.k.T * pb.scale), posinf=0.0))  # p |s|
+    assert failures() > 0
+
+
 def test_score_term_is_small_for_ordinary_scores():
     from verify.cases import Case, make_inputs
     from verify.criterion import EPS, FLOOR_ULPS, lse_score_rounding, score_rounding

@@ -29,23 +29,22 @@ Why per slice: the heads of a batch are independent problems, and a head whose v
 against the largest head, a kernel that loses the small head entirely (one scale for the
 whole tensor, in a format of narrow range) passes; judged against its own values, it fails.
 
-The second term of the floor is the one rounding of the scores that no float32 computation can
-avoid (u = 2^-24, scores are float32 in every kernel, whatever the input dtype). A score s_ij
-(natural-log units) held in float32 carries an error up to u |s_ij|, which moves out_i by at
-most u r_i, r_i = sum_j p_ij |s_ij| (max|v_j| + max|out_i|) (reference.score_sensitivity: only
-the pairs that carry weight count; a key with a huge value and no weight adds nothing). With
-scores of ordinary size this term is one to four times the first (a few float32 units at the
-output's scale); with large scores (|s| in the thousands) it dominates, and rightly: there the
-error of a correct kernel and of the plain implementation are both of this size but land on
-different rows by chance, and "within 2x of plain" alone fails correct kernels at random.
-lse's term is the same idea for the sum that makes each score: a score summed in float32
-(in any order; the tensor cores cut each step's terms to the accumulator's ulp, toward zero)
-errs by a few u a_ij, a_ij = |scale| sum_d |q_id k_jd| (+ |bias_ij|), which moves lse_i by
-up to u t_i, t_i = sum_j p_ij a_ij (reference.lse_sensitivity). Where a score's terms
-cancel (a_ij >> |s_ij|: large inputs whose products nearly sum to 0) that is far above
-lse's own rounding, and a correct tensor-core kernel lands there (on an H200, one score of
-terms up to 4.9e3 summing to -782: lse 2.4e-4 off, 16 float32 units of it 1.3e-4); with
-ordinary scores it is a fraction of a unit.
+The second term of the floor is what summing each score in float32 can do, which no
+float32 computation avoids (u = 2^-24; scores are float32 in every kernel, whatever the
+input dtype). A score s_ij (natural-log units) summed in float32 from its terms, in any
+order (the tensor cores cut each step's terms to the accumulator's ulp, toward zero), errs
+by a few u a_ij, a_ij = |scale| sum_d |q_id k_jd| + |bias_ij| (>= |s_ij|: its one rounding
+included). That moves out_i by at most u r_i, r_i = sum_j p_ij a_ij (max|v_j| + max|out_i|)
+(reference.score_sensitivity: only the pairs that carry weight count; a key with a huge
+value and no weight adds nothing), and lse_i by at most u t_i, t_i = sum_j p_ij a_ij
+(reference.lse_sensitivity). With scores of ordinary size the out term is one to four
+times the first (a few float32 units at the output's scale) and lse's a fraction of a unit.
+It dominates where the scores are large (|s| in the thousands) or their terms cancel (a_ij
+>> |s_ij|: large inputs whose products nearly sum to 0), and rightly: there the error of a
+correct kernel and of the plain implementation are both of this size but land on different
+rows by chance, and "within 2x of plain" alone fails correct kernels at random (on an H200,
+both tensor-core forwards on one score of terms up to 4.9e3 summing to -782: lse 2.4e-4 off,
+16 float32 units of it 1.3e-4, the plain implementation all but exact).
 
 Why the plain implementation's error is the right yardstick: the a-priori bound of the
 online-softmax algorithm in float32 (for one row, n visible keys, values bounded by |v|max) is
@@ -164,10 +163,11 @@ def floor(dtype, truth_scale, score_term=0.0, at_least=0.0):
 
 
 def score_rounding(q, k, v, options, truth, rows=None):
-    """2 u max_i r_i per (batch, query head) slice, (B, Hq): what rounding each score to
-    float32 once can do to the output (see the module's docstring), with r_i
+    """2 u max_i r_i per (batch, query head) slice, (B, Hq): what summing each score in
+    float32 can do to the output (see the module's docstring), with r_i
     reference.score_sensitivity's figure for row i: the pairs that carry weight, their
-    scores and their values. truth: (out, lse) of reference.attention for these inputs."""
+    scores' terms and their values. truth: (out, lse) of reference.attention for these
+    inputs."""
     import reference
 
     r = reference.score_sensitivity(q, k, v, rows=rows, truth=truth, **options)
