@@ -600,6 +600,24 @@ def test_score_term_counts_only_the_keys_that_carry_weight():
     assert score_rounding(q, k, v, options, truth).max() < 1e-3
 
 
+def test_score_terms_are_the_magnitude_of_what_each_visible_score_sums():
+    """lse_sensitivity's t_i = sum_j p_ij (|scale| sum_d |q_id k_jd| + |bias_ij|): with q, k of
+    ones (every score's terms 1, summing to D) and a bias of -3, every visible key's terms
+    weigh |scale| D + 3 and the weights sum to 1; a row that sees no key weighs 0; hidden
+    keys (mask False, past kv_lengths) count for nothing, whatever their values."""
+    import reference
+
+    q, k, v = np.ones((1, 2, 4, 16)), np.ones((1, 2, 8, 16)), np.ones((1, 2, 8, 8))
+    k[..., 6:, :] = 1e6  # past kv_lengths
+    mask = np.ones((1, 1, 4, 8), bool)
+    mask[..., 1, :] = False  # row 1 sees no key
+    mask[..., 2, :3] = False
+    bias = np.full((1, 2, 4, 8), -3.0)
+    t = reference.lse_sensitivity(q, k, v, mask=mask, bias=bias, kv_lengths=np.array([6]))
+    want = np.where(np.arange(4) == 1, 0.0, 16 / 4 + 3)
+    assert np.allclose(t, np.broadcast_to(want, t.shape), rtol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_finite_abs_max_skips_non_finite(dtype):
     from verify.criterion import finite_abs_max
