@@ -19,10 +19,11 @@ MAX_SCORES = 2**26  # B * Hq * Nq * Nk per example, so the float64 truth stays q
 # reach 4096.
 GRAD_MAX_SCORES = 2**24
 # the values drawn (verify.cases.VALUES): ordinary ones, and those of real models (heads,
-# rows and keys far apart in magnitude, outlier channels, heavy tails, each dtype's limits)
+# rows and keys far apart in magnitude, outlier channels, heavy tails, scores whose products
+# cancel, each dtype's limits)
 ORDINARY_VALUES = ("normal", "large", "tiny", "ties")
 MODEL_VALUES = ("heads-held", "heads-free", "rows", "keys", "outliers", "heavy-tails",
-                "score-limit", "value-limit", "subnormal")
+                "cancelling", "score-limit", "value-limit", "subnormal")
 MAX_OUTPUT = 2**22  # B * Hq * Nq * max(D, Dv): the comparison runs on the host
 
 

@@ -54,6 +54,9 @@ BUGS = {  # bug: (a case that must fail, a phrase its failure must contain)
     # the softmax's shift taken over every key's score of the row, hidden ones too: right in
     # value, but keys a row does not see move its bits
     "max-over-hidden": ("call check: hidden-keys", "keys a row does not see reach it"),
+    # each score's products and partial sums rounded to float16 (a matrix product that
+    # accumulates in float16): units of the products off where they cancel
+    "score-sums-float16": ("values cancelling [float32]", "mismatched"),
 }
 SPARSE_TILE = 32
 # Kernels that pass the battery without the value families and layouts (verify.cases.VALUES,
@@ -219,7 +222,8 @@ def _tiles(bug, pb, qf, kf, vf, keep, bias, scale):
     with np.errstate(all="ignore"):
         for j0 in range(0, last, BLOCK_N):
             j1 = min(j0 + BLOCK_N, last)
-            raw = np.einsum("bhid,bhjd->bhij", qf, kf[:, :, j0:j1])
+            raw = _float16_score_sums(qf, kf[:, :, j0:j1]) if bug == "score-sums-float16" \
+                else np.einsum("bhid,bhjd->bhij", qf, kf[:, :, j0:j1])
             vis = keep[..., j0:j1]
             s = _scores(bug, raw, vis, bias[..., j0:j1], scale)
             tile_max = s.max(-1)
@@ -252,6 +256,16 @@ def _tiles(bug, pb, qf, kf, vf, keep, bias, scale):
             out = acc / l_i[..., None]
         lse = np.where(empty, -np.inf, m_i + np.log(l_i.astype(np.float32)))
     return out, lse
+
+
+def _float16_score_sums(q, k):
+    """q k^T with each product and partial sum rounded to float16 (channel by channel)."""
+    total = np.zeros(q.shape[:-1] + k.shape[-2:-1], np.float16)
+    with np.errstate(all="ignore"):
+        for d in range(q.shape[-1]):
+            term = q[..., d, None].astype(np.float16) * k[..., None, :, d].astype(np.float16)
+            total = (total + term).astype(np.float16)
+    return total.astype(np.float32)
 
 
 def _float16_sums(p, vt):

@@ -41,7 +41,8 @@ def test_each_value_bug_fails_the_families_made_for_it(bug):
 
 
 NEW_VALUES = ("heads-held", "heads-free", "batch-held", "batch-free", "rows", "keys",
-              "outliers", "heavy-tails", "score-limit", "value-limit", "subnormal")
+              "outliers", "heavy-tails", "cancelling", "score-limit", "value-limit",
+              "subnormal")
 
 
 def test_a_small_head_is_judged_by_its_own_values():

@@ -36,6 +36,9 @@ VALUES = {  # values: what q, k and v hold (standard normal draws, then ...)
     "heavy-tails": "random signs times log-normal magnitudes exp(3 N(0, 1)): the largest of "
                    "a few thousand draws about 10^4 times the median (float16: at most "
                    "8192)",
+    "cancelling": "q and k times 30, q's channels in pairs equal to 1e-3, k's in pairs of "
+                  "opposite sign: each score a sum of products in the thousands that nearly "
+                  "cancel (the tensor cores' truncated sums land units of them off)",
     "score-limit": "q and k times 2^LIMITS[dtype][0]: raw scores past float16's range for "
                    "float16 inputs (not float32's), near 2^108 for the others",
     "value-limit": "v times 2^LIMITS[dtype][1], q and k times 0.1: near-uniform rows of "
@@ -211,6 +214,13 @@ def _values(case, rng, q, k, v):
         top = 2.0 ** LIMITS[case.dtype][1]  # float16: 8192
         return tuple(np.sign(x) * np.minimum(np.exp(3.0 * rng.standard_normal(x.shape)), top)
                      for x in (q, k, v))
+    if kind == "cancelling":
+        pairs = 2 * (case.D // 2)  # an odd last channel stays as it is
+        q, k = q * 30.0, k * 30.0
+        q[..., 1:pairs:2] = q[..., 0:pairs:2] * (1 + 1e-3 * rng.standard_normal(
+            q[..., 0:pairs:2].shape))
+        k[..., 1:pairs:2] = -k[..., 0:pairs:2]
+        return q, k, v
     if kind == "score-limit":
         big = 2.0 ** LIMITS[case.dtype][0]
         return q * big, k * big, v
@@ -621,14 +631,16 @@ def _block_sparse(add, N):
 
 def _distributions(add, N, dtypes, small):
     """The values real models produce (VALUES), each judged per (batch, head): disparity
-    across heads, batch elements, query rows and keys, outlier channels and heavy tails (at
+    across heads, batch elements, query rows and keys, outlier channels, heavy tails and
+    scores whose products cancel (at
     the first dtype in the quick suite, every dtype otherwise), and each dtype's limits."""
     b = 1 if small else 2  # the simulator runs the quick suite: a block a (batch, head)
     shapes = {"heads-held": dict(B=b, Hq=4, Hk=4), "heads-free": dict(B=b, Hq=4, Hk=4),
               "batch-held": dict(B=4, Hq=1, Hk=1), "batch-free": dict(B=4, Hq=1, Hk=1),
               "rows": dict(B=1, Hq=b, Hk=b, Nq=64, Nk=40),
               "keys": dict(B=1, Hq=b, Hk=b, Nq=24, Nk=64),
-              "outliers": dict(B=b, D=32, Dv=32), "heavy-tails": dict(B=b)}
+              "outliers": dict(B=b, D=32, Dv=32), "heavy-tails": dict(B=b),
+              "cancelling": dict(B=b)}
     for dtype in dtypes[:1] if small else dtypes:
         for kind, kw in shapes.items():
             add(f"values {kind} [{dtype}]", values=kind, dtype=dtype,
