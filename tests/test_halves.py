@@ -130,20 +130,13 @@ def test_the_backward_sees_the_forwards_scores():
 
 
 def _mma_as_the_h200_sums(a, b, c, dtype):
-    """warp.mma_reference as the H200 rounds (tests/test_gpu.py measures it): each product
-    and C cut toward zero to the ulp of the largest of them, then summed, the sum cut to
-    float32 toward zero."""
+    """warp.mma_reference as the H200 rounds (tests/tensor_cores.py's h200_sum)."""
     from numba_kernels import warp
+    from tests.tensor_cores import h200_sum
     A, B = warp.a_matrix(warp.unpack(a, dtype)), warp.b_matrix(warp.unpack(b, dtype))
     C = warp.c_matrix(np.asarray(c, np.float64))
     addends = np.concatenate([A[:, :, None] * B[None, :, :], C[:, None, :]], axis=1)
-    top = np.abs(addends).max(axis=1, keepdims=True)
-    ulp = np.ldexp(1.0, np.frexp(np.where(top > 0, top, 1.0))[1] - 24)
-    total = (np.trunc(addends / ulp) * ulp).sum(axis=1)
-    out = total.astype(np.float32)
-    over = np.abs(out.astype(np.float64)) > np.abs(total)
-    out[over] = np.nextafter(out[over], np.float32(0))
-    return warp.c_registers(out)
+    return warp.c_registers(h200_sum(np.moveaxis(addends, 1, -1)))
 
 
 def test_the_model_of_the_h200s_sums_gives_the_probes_answers():

@@ -479,34 +479,26 @@ def test_large_scores_do_not_fail_a_correct_kernel_at_random(monkeypatch):
 
 def tensor_core_scores(q, k, keep=24):
     """q k^T (q (R, D), k (N, D) of 16-bit values, float64) summed as an H200's tensor cores
-    sum it (tests/test_halves.py's model, which reproduces what the GPU returned): each step
-    of 16 products, with the accumulator, cut toward zero to the ulp of the largest of them
-    and added; the sum cut to float32 toward zero. keep < 24: the products' bits cut to that
-    many first (11: TF32's)."""
+    sum it (tests/tensor_cores.py), a step of 16 products at a time onto the accumulator.
+    keep < 24: the products' bits cut to that many first (11: TF32's)."""
+    from tests.tensor_cores import h200_sum
+
     acc = np.zeros((q.shape[0], k.shape[0]))
     for s0 in range(0, q.shape[1], 16):
         terms = q[:, None, s0:s0 + 16] * k[None, :, s0:s0 + 16]
         if keep < 24:
             mantissa, exponent = np.frexp(terms)
             terms = np.ldexp(np.trunc(np.ldexp(mantissa, keep)), exponent - keep)
-        addends = np.concatenate([terms, acc[..., None]], axis=-1)
-        top = np.abs(addends).max(axis=-1, keepdims=True)
-        ulp = np.ldexp(1.0, np.frexp(np.where(top > 0, top, 1.0))[1] - 24)
-        total = (np.trunc(addends / ulp) * ulp).sum(axis=-1)
-        out = total.astype(np.float32)
-        over = np.abs(out.astype(np.float64)) > np.abs(total)
-        out[over] = np.nextafter(out[over], np.float32(0))
-        acc = out.astype(np.float64)
+        acc = h200_sum(np.concatenate([terms, acc[..., None]], axis=-1)).astype(np.float64)
     return acc
 
 
 def test_a_score_whose_terms_cancel_does_not_fail_a_correct_tensor_core_kernel():
-    """The H200 case (conformance, "NaN safety on long rows", both tensor-core forwards): one
-    row that sees one key, float16, a score of 128 products up to 4.9e3 summing to -782.
-    Summed as the tensor cores sum it, lse is 2e-4 off, over lse's 16 float32 units (1.3e-4),
-    and there the plain implementation was all but exact (7e-7 off). lse's score term
-    (criterion.py) passes it, and still fails the same score from products cut to TF32's 11
-    bits."""
+    """The H200 case of docs/findings.md (both tensor-core forwards failed it on lse): one
+    row that sees one key, float16, a score of 128 large products that nearly cancel. Summed
+    as the tensor cores sum it, lse lands past lse's 16 float32 units, where the plain
+    implementation can be all but exact (as it was there). lse's score term (criterion.py)
+    passes it, and still fails the same score from products cut to TF32's 11 bits."""
     import verify.criterion as criterion
 
     import reference
