@@ -33,9 +33,10 @@ def results(io, out, lse, return_lse):
 
 
 def begin(q, k, v, scale, causal, mask, bias, kv_lengths, window, block_mask=None,
-          block_size=BLOCK_SIZE, **more):
+          block_size=BLOCK_SIZE, outputs=True, **more):
     """(problem, io, out, lse) of a call: the arguments checked against the contract and
-    this kernel's limits, the array handling for their kind, the empty outputs."""
+    this kernel's limits, the array handling for their kind, the empty outputs (None, None
+    where `outputs` is False: the backward allocates its own)."""
     pb = check_attention_args(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                               kv_lengths=kv_lengths, window=window, dtypes=DTYPES)
     if block_mask is not None:
@@ -47,6 +48,8 @@ def begin(q, k, v, scale, causal, mask, bias, kv_lengths, window, block_mask=Non
     if abs(pb.scale) > 1.0:  # the default is 1 / sqrt(D)
         check_score_range(pb, q, k)
     io = io_for(q, k, v, mask, bias, kv_lengths, **more)
+    if not outputs:
+        return pb, io, None, None
     out = io.empty((pb.batch, pb.heads_q, pb.n_q, pb.dv), pb.dtype)
     lse = io.empty((pb.batch, pb.heads_q, pb.n_q), "float32")
     return pb, io, out, lse

@@ -53,7 +53,7 @@ def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengt
         _planned(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, spec, kernel,
                  precision, blocks=blocks)
         if recorded is not None:
-            recorded.returns(out, lse, return_lse)
+            recorded.returns((out, lse) if return_lse else out)
     return results(io, out, lse, return_lse)
 
 

@@ -1,6 +1,6 @@
-"""Forward calls of one layout, replayed: the first call's launches, recorded once.
+"""Calls of one layout, replayed: the first call's launches, recorded once.
 
-Which kernels a forward call launches, on which grids, with which scalars, and which buffers
+Which kernels a call (forward.forward, backward.flash_attention_backward) launches, on which grids, with which scalars, and which buffers
 it allocates depend only on its layout: the inputs' dtypes, shapes, strides, devices and
 which of them share memory, the options, the stream. So the first torch call of a layout
 takes the api's whole path and records it (`recording`): each launch's packed plan
@@ -10,8 +10,9 @@ that layout allocates the same buffers anew and launches the same plans with its
 pointers (`Replay.run`): no argument checks, kernel choice or per-launch bookkeeping, whose
 host time the GPU otherwise waits for on every call that starts from an idle GPU.
 
-Only torch CUDA tensors without kv_lengths or spec are replayed (the host reads kv_lengths'
-values), with options of plain Python values; a mask and a bias are inputs like q, k and v
+Only torch CUDA tensors without kv_lengths, spec or dlse are replayed (the host reads
+kv_lengths' values; dlse is subtracted by a torch operation, not a launch), with options of
+plain Python values; a mask and a bias are inputs like q, k and v
 (their pre-pass is one of the launches). The layout holds each input's data pointer modulo
 16: a pre-pass that reads a mask as words of four keys is chosen by its alignment. A call whose recording meets anything else (a launch without a packed plan, a pointer
 that is neither an input, an allocated buffer nor a kept tensor: a strided input's contiguous
@@ -67,7 +68,7 @@ def recording(key, inputs):
     """Record the launches and allocations of the call inside this block (key None, or a
     recording already running in this thread: nothing is recorded); when the block ends
     without an exception, remember the layout's Replay (or that it has none). The block
-    calls `returns` with its outputs."""
+    calls `returns` with what the call returns."""
     if key is None or getattr(_ACTIVE, "recording", None) is not None or key in _CALLS:
         yield None
         return
@@ -111,8 +112,9 @@ class _Recording:
         self.allocated, self.kept, self.launches = [], [], []
         self.outputs = None
 
-    def returns(self, out, lse, return_lse):
-        self.outputs = (out, lse, return_lse)
+    def returns(self, result):
+        """The call returns `result`: one tensor it allocated, or a tuple of them."""
+        self.outputs = result
 
     def replay(self):
         """The Replay of what was recorded, or None where something cannot be replayed."""
@@ -124,22 +126,24 @@ class _Recording:
             if plan is None or any(ptr not in known for _, ptr in writes):
                 return None
             launches.append((plan, [(slot, known.index(ptr)) for slot, ptr in writes]))
-        out, lse, return_lse = self.outputs
+        single = not isinstance(self.outputs, tuple)
+        outputs = (self.outputs,) if single else self.outputs
         ids = [id(t) for t in self.allocated]
-        if id(out) not in ids or id(lse) not in ids:
+        if any(id(t) not in ids for t in outputs):
             return None
         return Replay([(t.shape, t.dtype, t.device) for t in self.allocated], self.kept,
-                      launches, ids.index(id(out)), ids.index(id(lse)), return_lse)
+                      launches, [ids.index(id(t)) for t in outputs], single)
 
 
 class Replay:
-    """A recorded call: buffers to allocate, kept tensors, and launches whose data-pointer
-    slots each name an index into (inputs, new buffers, kept tensors)."""
+    """A recorded call: buffers to allocate, kept tensors, launches whose data-pointer
+    slots each name an index into (inputs, new buffers, kept tensors), and the buffers the
+    call returns (their indices; single: the one, not a tuple)."""
 
-    def __init__(self, buffers, kept_tensors, launches, out, lse, return_lse):
+    def __init__(self, buffers, kept_tensors, launches, outputs, single):
         self.buffers, self.kept_tensors, self.launches = buffers, kept_tensors, launches
         self.kept_ptrs = [t.data_ptr() for t in kept_tensors]
-        self.out, self.lse, self.return_lse = out, lse, return_lse
+        self.outputs, self.single = outputs, single
 
     def run(self, inputs):
         torch = sys.modules["torch"]
@@ -149,5 +153,5 @@ class Replay:
         for plan, sources in self.launches:
             plan.packed([(slot, ptrs[i]) for slot, i in sources])
         REPLAYED[0] += 1
-        out, lse = new[self.out], new[self.lse]
-        return (out, lse) if self.return_lse else out
+        result = tuple(new[i] for i in self.outputs)
+        return result[0] if self.single else result

@@ -57,6 +57,10 @@ CALLS = {
                             dict(kernel="mma", blocks=(1.0, "table"))),
     "mma bf16 mask 12%": ("fwd", (1, 16, 8192, 8192, 128), "bfloat16",
                           dict(kernel="mma", blocks=(0.118, "mask"))),
+    "mma bwd bf16 blocks 12%": ("bwd", (1, 16, 8192, 8192, 128), "bfloat16",
+                                dict(kernel="mma", blocks=(0.118, "table"))),
+    "mma bwd bf16 blocks all": ("bwd", (1, 16, 8192, 8192, 128), "bfloat16",
+                                dict(kernel="mma", blocks=(1.0, "table"))),
 }
 BLOCK = 128  # the block-sparse calls' block size
 FORWARD_OF = {"tuned": "simt", "plain": "simt", "mma": "mma"}

@@ -5,7 +5,8 @@ torch CUDA) runs them all; in the simulator they are skipped.
   with NaN first (an element the kernel never writes shows) and every call preceded by a
   call of the same layout on other tensors, so that the judged call reuses that launch plan
   (launch.py) and must take every pointer from its own arguments;
-- replayed calls (replay.py) bitwise equal to whole ones, and the layouts that replay;
+- replayed calls (replay.py), forward and backward, bitwise equal to whole ones, and the
+  layouts that replay;
 - how mma.sync rounds its sums: the model tests/test_halves.py and warp.py build on;
 - float32 by default (precision "highest", the summed halves on the tensor cores) errs as
   torch's math backend in float32 does, at sizes where their sums are long;
@@ -109,6 +110,50 @@ def test_a_replayed_call_is_bitwise_the_whole_one(name):
         want = flash_attention(*second, **options, **side)
     got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
     assert len(got) == len(want) and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+# (dtype, options, sides, replayed): the backward of a call, replayed the second time
+BACKWARD_REPLAY_CASES = {
+    "bf16 causal gqa": ("bfloat16", dict(causal="bottom_right"), (), True),
+    "fp16 mask and bias": ("float16", {}, ("mask", "bias"), True),
+    "bf16 block mask": ("bfloat16", dict(block_size=128), ("block_mask",), True),
+    "bf16 tuned": ("bfloat16", dict(kernel="tuned", window=(50, 0)), (), True),
+    "bf16 dlse": ("bfloat16", {}, ("dlse",), False),  # a torch subtraction, not a launch
+    "fp32": ("float32", {}, (), False),  # the values' range picks the kernel
+}
+
+
+@pytest.mark.parametrize("name", list(BACKWARD_REPLAY_CASES))
+def test_a_replayed_backward_is_bitwise_the_whole_one(name):
+    """flash_attention_backward's second call of a layout replays the first one's launches
+    (where its case says so) and gives the gradients of a whole call bitwise."""
+    from numba_kernels import flash_attention, flash_attention_backward, replay
+
+    dtype, options, sides, replayed = BACKWARD_REPLAY_CASES[name]
+    dt, (b, hq, hk, nq, nk, d) = getattr(torch, dtype), (2, 4, 2, 150, 260, 64)
+
+    def call():
+        q, dout = (torch.randn(b, hq, nq, d, device="cuda", dtype=dt) for _ in "qo")
+        k, v = (torch.randn(b, hk, nk, d, device="cuda", dtype=dt) for _ in "kv")
+        side = dict(mask=torch.rand(b, 1, nq, nk, device="cuda") < 0.6,
+                    bias=torch.randn(1, hq, nq, nk, device="cuda"),
+                    block_mask=torch.rand(1, hq, 2, 3, device="cuda") < 0.6)
+        side = {s: side[s] for s in sides if s != "dlse"}
+        out, lse = flash_attention(q, k, v, return_lse=True, **options, **side)
+        if "dlse" in sides:
+            side["dlse"] = torch.randn_like(lse)
+        return (q, k, v, out, lse, dout), side
+
+    with torch.no_grad():
+        args, side = call()
+        flash_attention_backward(*args, **options, **side)
+        args, side = call()
+        before = replay.REPLAYED[0]
+        got = flash_attention_backward(*args, **options, **side)
+        assert (replay.REPLAYED[0] > before) == replayed
+        replay.forget()
+        want = flash_attention_backward(*args, **options, **side)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_mma_sync_cuts_its_sums_toward_zero_as_the_model_says():

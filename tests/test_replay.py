@@ -49,7 +49,7 @@ def record(key, inputs, extra=None, plan=True):
         replay.launched(plan, args)
         if plan is not None:
             plan.launches.append("whole")
-        rec.returns(out, lse, True)
+        rec.returns((out, lse))
     return plan
 
 
@@ -91,7 +91,7 @@ def test_what_it_cannot_place_leaves_the_layout_unreplayed(why):
         with replay.recording("layout", inputs) as rec:
             replay.launched(Plan([]), ())
             if why == "outputs not allocated":
-                rec.returns(torch.empty(1), torch.empty(1), False)
+                rec.returns((torch.empty(1), torch.empty(1)))
     assert replay.find("layout") is None
     with replay.recording("layout", inputs) as rec:  # not recorded again
         assert rec is None
@@ -113,6 +113,21 @@ def test_recording_does_not_nest_and_outside_it_nothing_is_kept():
     assert "inner" not in replay._CALLS
     replay.allocated(torch.empty(1))  # no recording running: no-ops
     replay.launched(None, ())
+
+
+def test_a_call_returns_what_it_recorded_one_tensor_or_a_tuple():
+    """forward returns out alone or (out, lse); the backward (dq, dk, dv): a replay returns
+    the same form, from its own new buffers."""
+    for key, pick in (("one", lambda out, lse: out), ("three", lambda out, lse: (lse, out, lse))):
+        with replay.recording(key, tensors()) as rec:
+            out = replay.allocated(torch.empty((2, 3, 4)))
+            lse = replay.allocated(torch.empty((2, 3)))
+            replay.launched(Plan([(4, 0)]), (out,))
+            rec.returns(pick(out, lse))
+    one = replay.find("one").run(tensors())
+    assert isinstance(one, torch.Tensor) and one.shape == (2, 3, 4)
+    a, b, c = replay.find("three").run(tensors())
+    assert a.shape == c.shape == (2, 3) and b.shape == (2, 3, 4) and a is c
 
 
 @pytest.mark.parametrize("inputs, options", [
