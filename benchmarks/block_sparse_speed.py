@@ -5,7 +5,7 @@ the same mask and FlexAttention with the same blocks as a BlockMask (compiled), 
     python benchmarks/block_sparse_speed.py [--shape 1,16,8192,128] [--dtype bfloat16]
                                             [--block 128] [--density 0.1] [--backward]
                                             [--kinds causal,window] [--left 1024]
-                                            [--impls ours] [--out DIR]
+                                            [--impls ours] [--kernel auto] [--out DIR]
 
 The mask (verify.cases.block_mask, as (1, 1, N, N) booleans): "blocks", blocks of --block x
 --block pairs with a fraction --density of them kept at random (the diagonal blocks always);
@@ -13,7 +13,8 @@ The mask (verify.cases.block_mask, as (1, 1, N, N) booleans): "blocks", blocks o
 kernels' own arguments (which skip tiles by the band) beside FlexAttention's block mask of
 the same band; their "kept" is the fraction of pairs visible. CUDA events, a warm-up
 call, the median of repeats worth about 0.3 s (attention_speed.time_ms). --backward times
-forward plus backward through autograd. Writes DIR/block_sparse_speed.json.
+forward plus backward through autograd. --kernel: ours as flash_attention(kernel=...) (wgmma:
+forward only). Writes DIR/block_sparse_speed.json.
 """
 import argparse
 import json
@@ -32,8 +33,9 @@ from reference.dtypes import torch_dtype  # noqa: E402
 from verify.cases import block_mask  # noqa: E402
 
 
-def calls(q, k, v, mask, block):
-    """{name: a call of it} on these inputs (FlexAttention's BlockMask made once, outside)."""
+def calls(q, k, v, mask, block, kernel):
+    """{name: a call of it} on these inputs (FlexAttention's BlockMask made once, outside),
+    ours with kernel=`kernel`."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     flex = torch.compile(flex_attention)
@@ -46,34 +48,35 @@ def calls(q, k, v, mask, block):
         with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    return {"ours, no mask": lambda: flash_attention(q, k, v),
-            "ours, mask": lambda: flash_attention(q, k, v, mask=mask),
+    return {"ours, no mask": lambda: flash_attention(q, k, v, kernel=kernel),
+            "ours, mask": lambda: flash_attention(q, k, v, mask=mask, kernel=kernel),
             "ours, block mask": lambda: flash_attention(q, k, v, block_mask=table,
-                                                        block_size=block),
+                                                        block_size=block, kernel=kernel),
             "efficient, mask": efficient,
             "flex, no mask": lambda: flex(q, k, v),
             "flex, block mask": lambda: flex(q, k, v, block_mask=blocks)}
 
 
-def band_calls(q, k, v, kind, left):
+def band_calls(q, k, v, kind, left, kernel):
     """{name: a call of it} for a band given as the kernels' own arguments ("causal": top-left
     causal; "window": each row's `left` keys before it and itself), beside FlexAttention with
-    the same band as a BlockMask (made once, outside) and our unmasked call."""
+    the same band as a BlockMask (made once, outside) and our unmasked call (ours with
+    kernel=`kernel`)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     flex = torch.compile(flex_attention)
     if kind == "causal":
-        options = dict(causal="top_left")
+        options = dict(causal="top_left", kernel=kernel)
 
         def visible(b, h, qi, ki):
             return ki <= qi
     else:
-        options = dict(window=(left, 0))
+        options = dict(window=(left, 0), kernel=kernel)
 
         def visible(b, h, qi, ki):
             return (ki <= qi) & (qi - ki <= left)
     blocks = create_block_mask(visible, None, None, q.shape[2], k.shape[2], device="cuda")
-    return {"ours, no mask": lambda: flash_attention(q, k, v),
+    return {"ours, no mask": lambda: flash_attention(q, k, v, kernel=kernel),
             f"ours, {kind}": lambda: flash_attention(q, k, v, **options),
             f"flex, {kind} block mask": lambda: flex(q, k, v, block_mask=blocks)}
 
@@ -105,6 +108,8 @@ def main():
     ap.add_argument("--impls", default="",
                     help="time only the calls whose names start with one of these, comma "
                          "separated (ours, efficient, flex; default every one)")
+    ap.add_argument("--kernel", default="auto", choices=("auto", "simt", "mma", "wgmma"),
+                    help="our calls' kernel= (wgmma: the forward alone)")
     ap.add_argument("--out", default=".", help="folder for block_sparse_speed.json")
     a = ap.parse_args()
     b, h, n, d = (int(x) for x in a.shape.split(","))
@@ -117,11 +122,11 @@ def main():
         if kind in ("causal", "window"):
             keep = np.tril(np.ones((n, n), bool)) & (kind == "causal" or np.triu(
                 np.ones((n, n), bool), -a.left))
-            kept, named = float(keep.mean()), band_calls(q, k, v, kind, a.left)
+            kept, named = float(keep.mean()), band_calls(q, k, v, kind, a.left, a.kernel)
         else:
             keep = block_mask(kind, np.random.default_rng(0), (1, 1, n, n), a.block, a.density)
             kept = float(keep[..., ::a.block, ::a.block].mean())  # the blocks kept
-            named = calls(q, k, v, torch.from_numpy(keep).cuda(), a.block)
+            named = calls(q, k, v, torch.from_numpy(keep).cuda(), a.block, a.kernel)
         for name, call in named.items():
             if a.impls and not name.startswith(tuple(a.impls.split(","))):
                 continue
@@ -132,7 +137,8 @@ def main():
             else:
                 error = ""
             rows.append(dict(mask=kind, kept=kept, impl=name, ms=ms, error=error, shape=a.shape,
-                             dtype=a.dtype, block=a.block, backward=a.backward))
+                             dtype=a.dtype, block=a.block, backward=a.backward,
+                             kernel=a.kernel))
             print(f"{kind:7s} kept {kept:6.3f} {name:18s} "
                   + (f"{ms:8.3f} ms" if ms is not None else error), flush=True)
     with open(os.path.join(a.out, "block_sparse_speed.json"), "w") as f:

@@ -13,7 +13,8 @@ from .flash_bwd import TUNED_DKDV_ARGS, TUNED_DQ_ARGS, BwdSpec, bwd_width
 from .flash_mma_bwd import (BLOCK as MMA_BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec,
                             kv_parts, mma_bwd_kernel)
 from .launch import launch
-from .mma_parts import BLOCK_N as MMA_KEY_TILE, THREADS as MMA_THREADS, mma_width
+from .mma_parts import (BLOCK_N as MMA_KEY_TILE, THREADS as MMA_THREADS, full_tiles_apply,
+                        mma_width)
 from .plain_bwd import DELTA_THREADS, plain_bwd_kernel
 from .plain_fwd import plain_tiles
 from .plan import backward_plan, halves_summed, resolve_precision
@@ -144,8 +145,12 @@ def _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, ke
     mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
     mask_dev, steps, blocks = fit_blocks(io, pb, mask_dev, steps, blocks, mma_tiles(pb) if (
         float32_grads or kernel == "mma") else tuned_tiles(pb) if kernel == "tuned" else ())
+    # full_tiles: a block table read as it is, alone: every listed tile FULL, no mask read
+    full = not float32_grads and full_tiles_apply(pb.dtype, blocks is not None,
+                                                  blocks is not None and blocks.masked,
+                                                  bias is not None)
     named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, bias=bias_dev,
-                 blocks=blocks,
+                 blocks=blocks, full_tiles=full,
                  kv_lengths=lengths, dout=io.dev(dout), lse_in=io.dev(lse),
                  delta=io.empty((pb.batch, pb.heads_q, pb.n_q), "float32"), n_q=pb.n_q,
                  group=pb.group, scale=np.float32(pb.scale), **band(pb), **steps)
@@ -207,7 +212,8 @@ def _mma(pb, io, named, grads, width, has_mask, precision, float32_grads=False):
     inf (for float32, with q, k, v and dout split into float16 halves). Each kernel's fast
     variant, then its nonfinite variant for the blocks the fast one deferred (most often
     none: its blocks return at once); float32 at precision "highest" by the variants that
-    sum each step's products apart; float32_grads: the 16-bit variants that store float32."""
+    sum each step's products apart; float32_grads: the 16-bit variants that store float32;
+    named["full_tiles"]: the fast variants that read no mask or bias (MmaBwdSpec.full_tiles)."""
     summed = halves_summed(pb.dtype, precision)
     visible = {part: list_prepass(io, class_prepass(
         io, pb, named["mask"], named["mask_steps"], has_mask, *tiles, named["blocks"]),
@@ -227,9 +233,10 @@ def _mma(pb, io, named, grads, width, has_mask, precision, float32_grads=False):
         values = dict(named, **flags, **{g: grads[g] for g in out},
                       deferred=io.scratch((pb.batch, heads, blocks)),
                       visible=visible["dq" if part == "dq" else "kv"])
-        for nonfinite in (False, True):
+        for nonfinite in (False, True):  # the nonfinite variant reads the all-true mask
             spec = MmaBwdSpec(part, mma_width(pb.d), mma_width(pb.dv), pb.dtype, has_mask,
-                              nonfinite, summed, float32_grads)
+                              nonfinite, summed, float32_grads,
+                              named["full_tiles"] and not nonfinite)
             launch(mma_bwd_kernel(spec), spec, (blocks, pb.batch * heads), MMA_THREADS,
                    io.stream, *_ordered(args, values), shared=spec.dynamic_shared_bytes)
 

@@ -84,15 +84,25 @@ class MmaBwdSpec:
     summed: bool = False  # float32: each step's products summed apart (precision "highest")
     # 16-bit inputs: the gradients stored as float32, unrounded (backward.backward_float32)
     float32_grads: bool = False
+    # every listed tile FULL, no bias (a block mask alone, mma_parts.full_tiles_apply): the
+    # lists are walked, no mask or bias is read
+    full_tiles: bool = False
 
     def check(self):
         if self.part not in PARTS or self.d not in MMA_WIDTHS \
                 or self.dv not in MMA_WIDTHS or self.dtype not in MMA_BWD_DTYPES \
-                or (self.summed and not self.halves) or (self.float32_grads and self.halves):
+                or (self.summed and not self.halves) or (self.float32_grads and self.halves) \
+                or (self.full_tiles and (not self.has_mask or self.halves or self.nonfinite)):
             raise ValueError(f"MmaBwdSpec: part in {PARTS}, d and dv in {MMA_WIDTHS}, dtype "
                              f"in {MMA_BWD_DTYPES}, summed for float32 only, float32_grads "
-                             f"for 16-bit dtypes only; got {self}")
+                             f"for 16-bit dtypes only, full_tiles for the fast 16-bit "
+                             f"variants with a mask only; got {self}")
         return self
+
+    @property
+    def reads_mask(self):
+        """Whether the variant reads the mask and the bias (with a mask, not full_tiles)."""
+        return self.has_mask and not self.full_tiles
 
     @property
     def grads_dtype(self):
@@ -160,13 +170,16 @@ class MmaBwdSpec:
 
 def mma_bwd_specs():
     """Every variant a call can launch, the pre-passes too: the PTX gate compiles each."""
-    def options(dtype):  # (summed, float32_grads)
-        return ((False, False), (True, False)) if dtype == "float32" else (
-            (False, False), (False, True))
+    def options(dtype, masked, nonfinite):  # (summed, float32_grads, full_tiles)
+        if dtype == "float32":
+            return (False, False, False), (True, False, False)
+        full = ((False, False, True),) if masked and not nonfinite else ()
+        return ((False, False, False), (False, True, False)) + full
 
     return [s for s in (MmaBwdSpec(part, d, dv, dtype, m, n, *o).check() for part in PARTS
                         for d in MMA_WIDTHS for dv in MMA_WIDTHS for dtype in MMA_BWD_DTYPES
-                        for m in (False, True) for n in (False, True) for o in options(dtype))
+                        for m in (False, True) for n in (False, True)
+                        for o in options(dtype, m, n))
             if s.ships] \
         + [ScanSpec(t) for t in MMA_DTYPES] + halves.halves_specs()
 
@@ -596,8 +609,9 @@ def dkdv_kernel_source(spec):
     copy_do = _copier(spec, QB, DV, V_ROW, lay["do_lo"])
     load_v_fragments = make_load_q_fragments(DV, V_ROW)
     P_FACTOR, DS_FACTOR, call_factors = _scales(spec)
+    READS = spec.reads_mask  # the mask and the bias; the lists are walked with a mask
     probabilities = make_kv_probabilities(
-        NB, make_masked_score({"HAS_MASK": spec.has_mask}), spec.has_mask, P_FACTOR, DS_FACTOR)
+        NB, make_masked_score({"HAS_MASK": READS}), READS, P_FACTOR, DS_FACTOR)
     EXACT = spec.halves and NONFINITE  # scores_exact for tile pairs holding a NaN or an inf
     if spec.halves:
         SUMMED = spec.summed
@@ -675,7 +689,7 @@ def dkdv_kernel_source(spec):
             cb, h_end = b * mask_steps[0], (int64(hk) + 1) * group
             last_q = first_q + tiles * QB
             # the nonfinite variant (rare blocks) reads mask and bias in every tile: registers
-            biased = HAS_MASK and (NONFINITE or bias_given(bias, bias_steps))
+            biased = READS and (NONFINITE or bias_given(bias, bias_steps))
             # the next step to copy: head h_next's step t_next
             h_next, t_next = head_steps(visible, cb, mask_steps, tile, int64(hk) * group,
                                         h_end, first_q, last_q, ends, tid)
@@ -690,7 +704,8 @@ def dkdv_kernel_source(spec):
             while h_next < h_end:  # the group's heads in order, their steps in order
                 h, t = h_next, t_next  # the step's tile and class: found again, not carried
                 start_q = step_tile(visible, cb, h * mask_steps[1], tile, t)
-                partial = NONFINITE or reads_mask(visible, cb, h * mask_steps[1], tile, t)
+                partial = NONFINITE or (READS and reads_mask(visible, cb, h * mask_steps[1],
+                                                             tile, t))
                 h_next, t_next = next_step(visible, cb, mask_steps, tile, h, t, h_end,
                                            first_q, last_q, ends, tid)
                 warp.cp_async_wait(0)  # this thread's copies of this tile have landed
@@ -775,8 +790,8 @@ def dq_kernel_source(spec):
         scores_dp = make_scores(DV, V_ROW, mma)
         dq_product = make_pv(D, K_ROW, mma, pack)  # dQ += dS K: K in the forward's V place
         dq_seen_pairs = make_pv_seen_pairs(D, K_ROW, make_unpacked(unpack))
-    scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
-                                         spec.has_mask)
+    READS = spec.reads_mask  # the mask and the bias; the lists are walked with a mask
+    scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": READS}), READS)
     q_probabilities = make_q_probabilities(NB, DS_FACTOR)
     add_dq, next_tile = (make_add_dq(dq_product, dq_seen_pairs, BRANCHED),
                          make_next_tile(copy_kv, STAGE))
@@ -820,7 +835,7 @@ def dq_kernel_source(spec):
             start_m, min(start_m + BLOCK, n_q) - 1, n_q, kv_len, left, right, bottom_right, 0,
             n_k, KEY_TILE)
         cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's visible list
-        biased = HAS_MASK and bias_given(bias, bias_steps)
+        biased = READS and bias_given(bias, bias_steps)
         t0, t1 = walk_range(visible, cb, ch, tile, first, last)  # tiles no row sees: none
         start_n = tile_start(visible, cb, ch, tile, t0, t1, last)
         rows_bad = HALVES and own_flagged(q_flags, b, h, start_m)  # scores_exact's
@@ -849,7 +864,7 @@ def dq_kernel_source(spec):
             interior = start_n >= lo_last and start_n + KEY_TILE <= hi_first
             scale_and_mask(s, qk, mask, bias, mask_steps, bias_steps, b, h, row0,
                            start_n, lo, hi, interior, whole_rows, n_q,
-                           reads_mask(visible, cb, ch, tile, t), biased, lane)
+                           READS and reads_mask(visible, cb, ch, tile, t), biased, lane)
             q_probabilities(s, dp, lse_r, delta_r)
             add_dq(words, at, s, dp, dq_acc, lane,  # dQ += dS K
                    BRANCHED and k_flags[b, hk, start_n // FLAG_ROWS] != 0)

@@ -37,7 +37,7 @@ from .convert import CONVERTERS, float32, int64, uint32
 from .flash_mma import (MMA_ARG_NAMES, ONE, hand_over, head_bases, make_acc_finite,
                         make_init_rows, make_rescale, make_row_update, make_store_out,
                         make_this_block)
-from .mma_parts import (BLOCK_M, BLOCK_N, MMA_DTYPES, MMA_WIDTHS, THREADS,
+from .mma_parts import (BLOCK_M, BLOCK_N, MMA_DTYPES, MMA_WIDTHS, make_copy_tile,
                         make_scale_and_mask)
 from .schedule import key_tiles
 
@@ -52,14 +52,17 @@ WGMMA_CC = (9, 0, "a")  # wgmma exists on sm_90a alone
 
 @dataclass(frozen=True)
 class WgmmaSpec:
-    """One compiled variant: padded head dims, input dtype (16-bit), whether it reads a mask
-    or bias, whether out is float32 partials (split-KV, or float32_out)."""
+    """One compiled variant: padded head dims, input dtype (16-bit), whether it walks
+    visible lists and reads a mask or bias, whether out is float32 partials (split-KV, or
+    float32_out), whether every listed tile is FULL (full_tiles: a block mask alone, as
+    flash_mma's MmaSpec.full_tiles: the lists are walked, no mask or bias is read)."""
 
     d: int
     dv: int
     dtype: str
     has_mask: bool
     partial: bool = False
+    full_tiles: bool = False
 
     def check(self):
         if self.d not in MMA_WIDTHS or self.dv not in MMA_WIDTHS:
@@ -67,7 +70,15 @@ class WgmmaSpec:
         if self.dtype not in MMA_DTYPES:
             raise ValueError(f"WgmmaSpec: dtype must be one of {MMA_DTYPES}, got "
                              f"{self.dtype!r}")
+        if self.full_tiles and not self.has_mask:
+            raise ValueError(f"WgmmaSpec: full_tiles walks a mask's lists: has_mask, got "
+                             f"{self}")
         return self
+
+    @property
+    def reads_mask(self):
+        """Whether the variant reads the mask and the bias (with a mask, not full_tiles)."""
+        return self.has_mask and not self.full_tiles
 
     @property
     def halves(self):
@@ -97,34 +108,9 @@ class WgmmaSpec:
 
 def wgmma_specs():
     """Every variant the PTX report compiles."""
-    return [WgmmaSpec(d, dv, dtype, m, p).check() for d in MMA_WIDTHS for dv in MMA_WIDTHS
-            for dtype in MMA_DTYPES for m in (False, True) for p in (False, True)]
-
-
-def make_copy_swizzled(ROWS, WIDTH):
-    CHUNKS = WIDTH // 8  # 16-byte pieces a row
-    ROWS_AT_ONCE = THREADS // CHUNKS  # rows the block copies in one pass: a multiple of 8
-    PASSES = ROWS // ROWS_AT_ONCE
-    BLOCK_WORDS = ROWS * ROW_WORDS  # a block of 64 columns
-    assert THREADS % CHUNKS == 0 and ROWS_AT_ONCE % 8 == 0 and ROWS % ROWS_AT_ONCE == 0
-
-    @kernel_part
-    def copy_swizzled(words, at, x, base, start, n, width):
-        """Rows start .. start + ROWS of the (n, width) matrix at flat element `base` of x
-        (16-bit, C-contiguous, width % 8 == 0) to the tile at word `at` (1024-byte aligned)
-        in the 128-byte swizzle, zeros past row n and column width. Thread tid copies chunk
-        c = tid % CHUNKS of rows r = tid // CHUNKS + p ROWS_AT_ONCE: r % 8, so where the
-        chunk lands in its row, is the same on every pass. Not waited for here."""
-        tid = cuda.threadIdx.x
-        r, c = tid // CHUNKS, tid % CHUNKS
-        src = base + (start + r) * width + c * 8  # flat element of pass 0
-        dst = at + (c // 8) * BLOCK_WORDS + r * ROW_WORDS + 4 * ((c % 8) ^ (r % 8))
-        for p in range(PASSES):
-            ok = c * 8 < width and start + r + p * ROWS_AT_ONCE < n
-            warp.cp_async16(words, dst + p * ROWS_AT_ONCE * ROW_WORDS, x,
-                            src + p * ROWS_AT_ONCE * width if ok else base, 16 if ok else 0)
-
-    return copy_swizzled
+    return [WgmmaSpec(d, dv, dtype, m, p, full).check() for d in MMA_WIDTHS
+            for dv in MMA_WIDTHS for dtype in MMA_DTYPES for m in (False, True)
+            for p in (False, True) for full in ((False, True) if m else (False,))]
 
 
 def make_scores(D, mma):
@@ -175,8 +161,39 @@ def make_pv(DV, mma_regs_mn, pack):
     return issue_pv
 
 
+def make_issue_tile(issue_scores, issue_pv, FLOATS):
+    @kernel_part
+    def issue_tile(words, q_at, k_at, v_at, s, acc, pending):
+        """Issues S = Q K^T of this tile, then, where `pending`, the previous tile's O += P V
+        (P in s, V at v_at), and waits for S alone: P V runs on under the softmax. Returns
+        the accumulators (S, done; O, to wait for: acc itself where nothing is pending)."""
+        s_acc = issue_scores(words, q_at, k_at)
+        if pending:
+            o_acc = issue_pv(words, v_at, s, acc)
+            warpgroup.wgmma_wait(1)  # S's group, the older, is done
+        else:
+            o_acc = warpgroup.fragment_tuple(acc, FLOATS)
+            warpgroup.wgmma_wait(0)
+        return s_acc, o_acc
+
+    return issue_tile
+
+
+def make_last_pv(issue_pv):
+    @kernel_part
+    def last_pv(words, v_at, s, acc):
+        """O += P V of the last tile walked (its V copy waited for by this thread)."""
+        warpgroup.fence_proxy_async()
+        cuda.syncthreads()  # Barrier: every thread's copies of V are visible
+        o_acc = issue_pv(words, v_at, s, acc)
+        warpgroup.wgmma_wait(0)
+        warpgroup.fragment_store(acc, o_acc)
+
+    return last_pv
+
+
 def make_copy_stage(WIDTH, AT, STAGE):
-    copy = make_copy_swizzled(KEYS, WIDTH)
+    copy = make_copy_tile(KEYS, WIDTH, ROW_WORDS, SWIZZLED=True)
 
     @kernel_part
     def copy_stage(words, base, x, x_base, start, n, width, stage, copying):
@@ -190,11 +207,10 @@ def make_copy_stage(WIDTH, AT, STAGE):
 
 
 def make_tile_softmax(spec):
-    scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": spec.has_mask}),
-                                         spec.has_mask)
+    READS, NB_HALF = spec.reads_mask, BLOCK_N // 8
+    scale_and_mask = make_scale_and_mask(make_masked_score({"HAS_MASK": READS}), READS)
     row_update = make_row_update(KEYS // 8)
     reads_mask = make_tile_walk(spec.has_mask, KEYS).reads_mask
-    READS, NB_HALF = spec.has_mask, BLOCK_N // 8
     assert KEYS == 2 * BLOCK_N
 
     @kernel_part
@@ -230,14 +246,16 @@ def kernel_source(spec):
     else:
         mma, mma_regs_mn, pack = (warpgroup.mma_async_bf16, warpgroup.mma_async_regs_mn_bf16,
                                   warp.pack_bf16)
-    copy_q = make_copy_swizzled(BLOCK_M, D)
+    copy_q = make_copy_tile(BLOCK_M, D, ROW_WORDS, SWIZZLED=True)
     copy_k, copy_v = make_copy_stage(D, K_AT, STAGE), make_copy_stage(DV, V_AT, STAGE)
-    issue_scores, issue_pv = make_scores(D, mma), make_pv(DV, mma_regs_mn, pack)
+    issue_pv = make_pv(DV, mma_regs_mn, pack)
+    issue_tile = make_issue_tile(make_scores(D, mma), issue_pv, FLOATS)
+    last_pv = make_last_pv(issue_pv)
     this_block, init_rows = make_this_block(False), make_init_rows(VB)
     walk = make_tile_walk(spec.has_mask, KEYS)
     walk_steps, step_tile, WALK_STEP = walk.walk_steps, walk.step_tile, walk.STEP
     tile_softmax, rescale = make_tile_softmax(spec), make_rescale(VB)
-    READS, acc_finite = spec.has_mask, make_acc_finite(VB)
+    READS, acc_finite = spec.reads_mask, make_acc_finite(VB)
     store_out = make_store_out(DV, CONVERTERS["float32" if spec.partial else spec.dtype][1])
 
     def flash_wgmma(q, k, v, mask, visible, bias, kv_lengths, q_flags, k_flags, factors,
@@ -279,13 +297,8 @@ def kernel_source(spec):
             cuda.syncthreads()  # Barrier: every thread's are; K's other stage is free.
             following = step_tile(visible, cb, ch, tile, t + WALK_STEP)  # or the sentinel
             copy_k(words, base, k, k_base, following, last, d, 1 - stage, following < last)
-            s_acc = issue_scores(words, base + Q_AT, base + K_AT + stage * STAGE)
-            if pending:  # the previous tile's O += P V, under this tile's softmax
-                o_acc = issue_pv(words, base + V_AT + (1 - stage) * STAGE, s, acc)
-                warpgroup.wgmma_wait(1)  # S's group, the older, is done
-            else:
-                o_acc = warpgroup.fragment_tuple(acc, FLOATS)
-                warpgroup.wgmma_wait(0)
+            s_acc, o_acc = issue_tile(words, base + Q_AT, base + K_AT + stage * STAGE,
+                                      base + V_AT + (1 - stage) * STAGE, s, acc, pending)
             warpgroup.fragment_store(s, s_acc)
             alpha0, alpha1 = tile_softmax(s, m_i, l_i, qk_scale, mask, bias, mask_steps,
                                           bias_steps, b, h, row0, start_n, lo, hi, lo_last,
@@ -298,11 +311,7 @@ def kernel_source(spec):
             stage, pending, start_n = 1 - stage, True, following
         warp.cp_async_wait(0)  # the last V tile (or Q, where no tile was walked)
         if pending:  # the last tile's O += P V
-            warpgroup.fence_proxy_async()
-            cuda.syncthreads()  # Barrier: every thread's copies of it are visible
-            o_acc = issue_pv(words, base + V_AT + (1 - stage) * STAGE, s, acc)
-            warpgroup.wgmma_wait(0)
-            warpgroup.fragment_store(acc, o_acc)
+            last_pv(words, base + V_AT + (1 - stage) * STAGE, s, acc)
         # a row that ended non-finite: flash_mma's careful variant does the block
         if hand_over(deferred, ob, h, tile, cuda.syncthreads_or(0 if acc_finite(acc) else 1),
                      tid):

@@ -263,7 +263,8 @@ def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, s
         partial = n_splits > 1 or _unrounded(pb, float32_out)
         for careful in (False, True):  # the careful variant reads the all-true mask
             if wgmma and not careful:
-                spec = WgmmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype, has_mask, partial)
+                spec = WgmmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype, has_mask, partial,
+                                 full)
                 kernel, call_args = wgmma_kernel(spec), args[-1]
             else:
                 spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype, has_mask, partial,

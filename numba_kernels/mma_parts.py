@@ -31,8 +31,8 @@ def halves_ship(dtype, has_mask, d, d_v):
 
 
 def full_tiles_apply(dtype, table_read, mask_given, bias_given):
-    """Whether the tensor-core forward runs its full_tiles variants (MmaSpec.full_tiles: no
-    mask or bias read): 16-bit inputs and a block table read as it is (prepass.table_fits),
+    """Whether the tensor-core kernels, forward (mma.sync and wgmma) and backward, run their
+    full_tiles variants (no mask or bias read): 16-bit inputs and a block table read as it is (prepass.table_fits),
     with neither a mask nor a bias, so every tile its lists hold is FULL."""
     return dtype != "float32" and table_read and not mask_given and not bias_given
 
@@ -50,26 +50,35 @@ def row_max(x):
     return max(x, warp.shfl_xor(x, 2))
 
 
-def make_copy_tile(ROWS, WIDTH, ROW_WORDS):
+def make_copy_tile(ROWS, WIDTH, ROW_WORDS, SWIZZLED=False):
     """copy_tile(words, at, x, base, start, n, width): rows start .. start + ROWS of the
     (n, width) matrix at flat element `base` of x (C-contiguous 16-bit values, width % 8 == 0)
     to the shared tile at word `at`, 16 bytes a cp.async, zeros past row n and column width.
-    Thread tid copies chunk tid % CHUNKS of rows tid // CHUNKS + p * ROWS_AT_ONCE. Not waited
-    for here."""
+    Thread tid copies chunk c = tid % CHUNKS of rows r = tid // CHUNKS + p * ROWS_AT_ONCE, so
+    a warp reads whole rows. Row r's chunk c lands at word r ROW_WORDS + 4 c; SWIZZLED, in the
+    128-byte swizzle (flash_wgmma.py's tiles, at a 1024-byte aligned word: blocks of 64
+    columns, each ROWS rows of 128 bytes, the chunk at chunk (c % 8) ^ (r % 8) of its row of
+    block c // 8), which passes of a multiple of 8 rows leave in place. Not waited for here."""
     CHUNKS = WIDTH // 8  # 16-byte pieces a row
     THREADS = WARPS * 32
     ROWS_AT_ONCE = THREADS // CHUNKS  # rows the block copies in one pass
     PASSES = ROWS // ROWS_AT_ONCE
+    BLOCK_WORDS = ROWS * ROW_WORDS  # SWIZZLED: a block of 64 columns
     assert THREADS % CHUNKS == 0 and ROWS % ROWS_AT_ONCE == 0
+    assert not SWIZZLED or (ROWS_AT_ONCE % 8 == 0 and ROW_WORDS == 32)
 
     @kernel_part
     def copy_tile(words, at, x, base, start, n, width):
         tid = cuda.threadIdx.x
         r, c = tid // CHUNKS, tid % CHUNKS
         src = base + (start + r) * width + c * 8  # flat element of pass 0
+        if SWIZZLED:
+            dst = at + (c // 8) * BLOCK_WORDS + r * ROW_WORDS + 4 * ((c % 8) ^ (r % 8))
+        else:
+            dst = at + r * ROW_WORDS + c * 4
         for p in range(PASSES):
             ok = c * 8 < width and start + r + p * ROWS_AT_ONCE < n
-            warp.cp_async16(words, at + (r + p * ROWS_AT_ONCE) * ROW_WORDS + c * 4, x,
+            warp.cp_async16(words, dst + p * ROWS_AT_ONCE * ROW_WORDS, x,
                             src + p * ROWS_AT_ONCE * width if ok else base, 16 if ok else 0)
 
     return copy_tile

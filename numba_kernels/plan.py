@@ -100,10 +100,11 @@ def kernel_plan(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_l
     tile = {"mma": (MMA_BLOCK_M, MMA_BLOCK_N), "wgmma": (MMA_BLOCK_M, WGMMA_KEYS)}.get(
         plan.kernel, (simt.block_m, simt.block_n))
     note = block_note(sizes, tile, block_mask, mask)
-    if plan.kernel == "mma" and full_tiles_apply(pb.dtype, table_read(sizes, tile, block_mask,
-                                                                      mask),
-                                                 mask is not None, bias is not None):
-        note += "; every listed tile FULL: the variant that reads no mask or bias"
+    if plan.kernel in ("mma", "wgmma") and full_tiles_apply(
+            pb.dtype, table_read(sizes, tile, block_mask, mask), mask is not None,
+            bias is not None):
+        note += ("; every listed tile FULL: the variants (forward and backward) that read no "
+                 "mask or bias")
     return plan._replace(why=f"{plan.why}; {note}")
 
 

@@ -89,10 +89,11 @@ def operand_address(start, row, k, lbo, sbo, swizzle, mn_major=False):
     return swizzled(start + (row // CORE_ROWS) * sbo + (row % CORE_ROWS) * SWIZZLE + k * 2)
 
 
-def step_start(s, lbo, swizzle, mn_major=False, sbo=None):
+def step_start(s, lbo, sbo, swizzle, mn_major=False):
     """Where step s of K (values 16 s .. 16 s + 15) starts, from the operand's start: two core
-    matrices along K a step without swizzle, 32 bytes of each 128-byte row with it; MN-major,
-    two core matrices (LBO) or two 8-row groups (SBO) along K."""
+    matrices along K a step without swizzle (LBO apart), 32 bytes of each 128-byte row with
+    it; MN-major, two core matrices (LBO) or, with the swizzle, two 8-row groups (SBO) along
+    K."""
     if mn_major:
         return s * 2 * (lbo if swizzle == 0 else sbo)
     return s * 2 * lbo if swizzle == 0 else s * 32
@@ -109,7 +110,7 @@ def operand_image(matrix, lbo, sbo, swizzle=0, mn_major=False):
         raise ValueError(f"operand_image: rows {rows} (a multiple of 8; of 64 MN-major with "
                          f"the swizzle), K {ks} (of 16; 64 K-major with the swizzle), lbo "
                          f"{lbo} and sbo {sbo} (of 16) expected")
-    where = {(r, 16 * s + k): operand_address(step_start(s, lbo, swizzle, mn_major, sbo), r,
+    where = {(r, 16 * s + k): operand_address(step_start(s, lbo, sbo, swizzle, mn_major), r,
                                               k, lbo, sbo, swizzle, mn_major)
              for s in range(ks // 16) for r in range(rows) for k in range(16)}
     image = np.zeros(-(-(max(where.values()) + 2) // 4) * 2, np.uint16)

@@ -13,6 +13,7 @@ import verify  # noqa: F401  (selects the simulator on a machine without a GPU)
 import reference
 from numba_kernels import backward, flash_attention, flash_attention_backward, forward
 from numba_kernels.arrays import begin, block_table, side_inputs
+from numba_kernels.flash_mma_bwd import MmaBwdSpec
 from numba_kernels.plan import kernel_plan
 from numba_kernels.prepass import class_prepass, fit_blocks, list_prepass
 from reference.blocks import (FULL, PARTIAL, SKIP, block_mask_visible, tile_classes,
@@ -220,17 +221,18 @@ def test_a_block_table_classes_tiles_as_its_mask_would(n_q, n_k, tiles, size, ma
 BLOCK_CASES = {  # name: (block_size, table shape's batch and heads, mask's, kernel)
     "table": ((64, 64), (1, 2), None, "mma"),  # classed from the table, no mask read, the
     # table's heads not the mask's: every tile FULL, the variant that reads no mask (full_tiles)
+    "table, wgmma": ((64, 64), (1, 2), None, "wgmma"),  # its full_tiles variant too
     "table and mask": ((64, 64), (1, 2), (1, 2), "mma"),  # the mask's classes: read
     "written out": (16, (2, 1), (1, 2), "simt"),  # blocks smaller than the tiles
 }
 
 
 @pytest.mark.parametrize("name", BLOCK_CASES)
-def test_a_block_mask_gives_its_masks_bits(name):
+def test_a_block_mask_gives_its_masks_bits(name, monkeypatch):
     """flash_attention(block_mask=) is the call with the boolean mask the table stands for
     (reference.blocks.block_mask_visible), bit for bit, and its backward that mask's
-    gradients (bit for bit on the GPU: tests/test_gpu.py); kernel_plan says which way the
-    table was read."""
+    gradients bit for bit, a table alone through the backward's full_tiles variants (and on
+    the GPU: tests/test_gpu.py); kernel_plan says which way the table was read."""
     size, lead, mask_lead, kernel = BLOCK_CASES[name]
     rng = np.random.default_rng(7)
     b, h, n_q, n_k, d = lead[0], 2, 40, 100, 16
@@ -245,7 +247,7 @@ def test_a_block_mask_gives_its_masks_bits(name):
     options = dict(causal="bottom_right", kernel=kernel)
     plan = kernel_plan(q, k, v, mask=mask, block_mask=blocks, block_size=size, **options)
     assert ("written out" if name == "written out" else "from its table") in plan.why
-    assert ("reads no mask" in plan.why) == (name == "table")
+    assert ("read no mask" in plan.why) == (mask is None)
     got = flash_attention(q, k, v, mask=mask, block_mask=blocks, block_size=size,
                           return_lse=True, **options)
     want = flash_attention(q, k, v, mask=keep, return_lse=True, **options)
@@ -254,12 +256,21 @@ def test_a_block_mask_gives_its_masks_bits(name):
     exact = [x.astype(np.float64) for x in (q, k, v, dout)]
     close = reference.attention(*exact[:3], mask=keep, causal="bottom_right")
     assert np.abs(got[0] - close).max() < 2e-3
-    if kernel == "mma" and mask is None:  # (the backward has no full_tiles variant)
+    if kernel == "mma":  # the backward: the mask's gradients, bit for bit
+        launched, launch = [], backward.launch
+        monkeypatch.setattr(backward, "launch", lambda kernel, spec, *a, **kw: (
+            launched.append(spec), launch(kernel, spec, *a, **kw))[1])
         grads = flash_attention_backward(q, k, v, *got, dout, causal="bottom_right",
                                          mask=mask, block_mask=blocks, block_size=size)
-        for x, y in zip(grads, reference.attention_backward(*exact, mask=keep,
-                                                            causal="bottom_right")):
-            assert np.abs(x - y).max() < 1e-2 * np.abs(y).max() + 1e-3
+        monkeypatch.undo()
+        fast = [s for s in launched if isinstance(s, MmaBwdSpec) and not s.nonfinite]
+        assert {s.part for s in fast} == {"dq", "dkdv"}
+        assert all(s.full_tiles == (mask is None) for s in fast), fast
+        for x, y, z in zip(grads, flash_attention_backward(
+                q, k, v, *want, dout, causal="bottom_right", mask=keep),
+                reference.attention_backward(*exact, mask=keep, causal="bottom_right")):
+            assert np.array_equal(x, y, equal_nan=True)
+            assert np.abs(x - z).max() < 1e-2 * np.abs(z).max() + 1e-3
 
 
 def test_a_block_mask_is_checked():

@@ -91,8 +91,8 @@ def run_chain(n, steps, dtype, swizzle=0, regs=False, mn_major=False):
     chain, (lbo, sbo), (b_lbo, b_sbo) = make_chain(n, steps, dtype, swizzle, regs, mn_major)
     (a_bits, b_bits), (a, b_t) = operands(n, steps, dtype)
     out = np.zeros((128, n // 2), np.float32)
-    starts = np.array([warpgroup.step_start(s, lbo, swizzle) // 4 for s in range(steps)])
-    b_starts = np.array([warpgroup.step_start(s, b_lbo, swizzle, mn_major, b_sbo) // 4
+    starts = np.array([warpgroup.step_start(s, lbo, sbo, swizzle) // 4 for s in range(steps)])
+    b_starts = np.array([warpgroup.step_start(s, b_lbo, b_sbo, swizzle, mn_major) // 4
                          for s in range(steps)])
     a_frags = np.stack([warpgroup.a_fragments(a_bits[:, 16 * s:16 * s + 16])
                         for s in range(steps)])
@@ -113,7 +113,8 @@ def test_operand_image_puts_each_element_where_the_descriptor_reads_it():
     for r in (0, 7, 8, 15):
         for k in (0, 7, 8, 15, 16, 31):
             s, kk = divmod(k, 16)
-            at = warpgroup.operand_address(warpgroup.step_start(s, LBO, 0), r, kk, LBO, sbo, 0)
+            start = warpgroup.step_start(s, LBO, sbo, 0)
+            at = warpgroup.operand_address(start, r, kk, LBO, sbo, 0)
             assert image[at // 2] == m[r, k]
     # a core matrix: 8 rows of 16 bytes, rows contiguous
     assert [warpgroup.operand_address(0, r, 0, LBO, sbo, 0) for r in range(3)] == [0, 16, 32]

@@ -80,7 +80,9 @@ def test_a_wrong_shared_layout_fails(monkeypatch, broken):
     if broken == "V read K-major":
         monkeypatch.setattr(warpgroup, "mma_async_regs_mn_bf16", warpgroup.mma_async_regs_bf16)
     else:
-        monkeypatch.setattr(flash_wgmma, "make_copy_swizzled", unswizzled_copies)
+        monkeypatch.setattr(flash_wgmma, "make_copy_tile",
+                            lambda ROWS, WIDTH, ROW_WORDS, SWIZZLED: unswizzled_copies(ROWS,
+                                                                                      WIDTH))
     flash_wgmma.wgmma_kernel.cache_clear()
     try:
         result = run_case(load("numba-wgmma"), WHOLE_TILE, seed=3)
