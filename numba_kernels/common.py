@@ -94,7 +94,10 @@ ARGS = (
     ("group", "int", "query heads per key head (grouped-query attention)"),
     ("heads_q", "int", "query heads"),
     ("n_tiles", "int", "query tiles of BLOCK_M rows per (batch, head)"),
-    ("split_len", "int", "keys per split (split-KV); without it, at least Nk"),
+    ("n_splits", "int", "split-KV: the shares each block's band of keys is cut into "
+     "(schedule.key_tiles); 1 without"),
+    ("split_keys", "int", "split-KV: a share is whole multiples of this many keys, a multiple "
+     "of the key tile of every kernel the call launches"),
     ("qk_scale", "float", "the contract's scale times log2(e): scores in log2 units"),
     ("left", "int", "key_range's window to the left (-1: none)"),
     ("right", "int", "key_range's window to the right (-1: none)"),

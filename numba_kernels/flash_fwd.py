@@ -446,7 +446,7 @@ def kernel_source(spec):
                                                      walk.reads_mask, walk.STEP)
 
     def flash_fwd(q, k, v, mask, visible, bias, kv_lengths, out, lse, n_q, d, d_v, group,
-                  heads_q, n_tiles, split_len, qk_scale, left, right, bottom_right, mask_steps,
+                  heads_q, n_tiles, n_splits, split_keys, qk_scale, left, right, bottom_right, mask_steps,
                   bias_steps):
         # One shared array, carved by KernelSpec.offsets; at offset 0 of the block's shared
         # memory it is 16-byte aligned, as load4 needs.
@@ -477,7 +477,7 @@ def kernel_source(spec):
         init_rows(m_i, l_i, acc, lo, hi, start_m + ty, n_q, kv_len, left, right, bottom_right)
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
-            split, split_len, BLOCK_N)
+            split, n_splits, split_keys, BLOCK_N)
         d_steps = (d + FRAG - 1) // FRAG  # scores' steps: head-dim columns past d are zeros
         cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's visible list
         biased = HAS_MASK and bias_given(bias, bias_steps)

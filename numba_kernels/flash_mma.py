@@ -167,7 +167,7 @@ def make_this_block(CAREFUL):
         else:
             bh, rank = grid_order_grouped(right >= 0)
             tile = cuda.gridDim.x - 1 - rank
-        split = cuda.blockIdx.z  # split-KV: this block's keys split * split_len .. + split_len
+        split = cuda.blockIdx.z  # split-KV: this block's share of the keys (key_tiles)
         b = bh // heads_q
         return b, bh % heads_q, tile, split, split * batch + b
 
@@ -412,7 +412,7 @@ def kernel_source(spec):
                                P_BACK)
 
     def flash_mma(q, k, v, mask, visible, bias, kv_lengths, q_flags, k_flags, factors,
-                  deferred, out, lse, n_q, d, d_v, group, heads_q, split_len, qk_scale, left,
+                  deferred, out, lse, n_q, d, d_v, group, heads_q, n_splits, split_keys, qk_scale, left,
                   right, bottom_right, mask_steps, bias_steps):
         words = cuda.shared.array(WORDS, uint32)  # two stages; Q lands in the second first
         q_frag = cuda.local.array((KSTEPS, 4), uint32)  # this warp's rows of Q, A fragments
@@ -436,7 +436,7 @@ def kernel_source(spec):
         kv_len = int64(kv_lengths[b])
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
-            split, split_len, BLOCK_N)
+            split, n_splits, split_keys, BLOCK_N)
         cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's visible list
         biased = READS and bias_given(bias, bias_steps)
         t0, t_end = walk_steps(visible, cb, ch, tile, first, last)  # tiles no row sees: none

@@ -832,8 +832,8 @@ def dq_kernel_source(spec):
         init_dq_rows(lse_r, delta_r, lo, hi, lse_in, delta, b, h, row0, n_q, kv_len, left,
                      right, bottom_right, delta_factor)
         first, last, lo_last, hi_first = key_tiles(
-            start_m, min(start_m + BLOCK, n_q) - 1, n_q, kv_len, left, right, bottom_right, 0,
-            n_k, KEY_TILE)
+            start_m, min(start_m + BLOCK, n_q) - 1, n_q, kv_len, left, right, bottom_right, 0, 1,
+            KEY_TILE, KEY_TILE)
         cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's visible list
         biased = READS and bias_given(bias, bias_steps)
         t0, t1 = walk_range(visible, cb, ch, tile, first, last)  # tiles no row sees: none

@@ -259,7 +259,7 @@ def kernel_source(spec):
     store_out = make_store_out(DV, CONVERTERS["float32" if spec.partial else spec.dtype][1])
 
     def flash_wgmma(q, k, v, mask, visible, bias, kv_lengths, q_flags, k_flags, factors,
-                    deferred, out, lse, n_q, d, d_v, group, heads_q, split_len, qk_scale, left,
+                    deferred, out, lse, n_q, d, d_v, group, heads_q, n_splits, split_keys, qk_scale, left,
                     right, bottom_right, mask_steps, bias_steps):
         words = cuda.shared.array(0, uint32)  # dynamic: layout's words
         s = cuda.local.array((NB, 4), float32)  # S, then P, of the thread's fragment
@@ -279,7 +279,7 @@ def kernel_source(spec):
         kv_len = int64(kv_lengths[b])
         first, last, lo_last, hi_first = key_tiles(
             start_m, min(start_m + BLOCK_M, n_q) - 1, n_q, kv_len, left, right, bottom_right,
-            split, split_len, KEYS)
+            split, n_splits, split_keys, KEYS)
         cb, ch = b * mask_steps[0], h * mask_steps[1]  # this block's visible list
         biased = READS and bias_given(bias, bias_steps)
         t0, t_end = walk_steps(visible, cb, ch, tile, first, last)

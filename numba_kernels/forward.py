@@ -19,7 +19,7 @@ from .plan import (call_plan, check_kernel, halves_range_why_not, halves_summed,
                    resolve_precision)
 from .prepass import class_prepass, fit_blocks, halves_prepass, list_prepass
 from .specs import build_kernel, build_merge, choose_spec, launch_grid, pad
-from .split_kv import choose_splits, split_layout
+from .split_kv import choose_splits, split_count
 
 
 def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
@@ -113,7 +113,7 @@ def simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, 
         # Splitting depends on the tiles only, which do not depend on splitting.
         tiles = spec or choose_spec(pb.d, pb.dv, pb.dtype, has_mask)
         grid, _, _ = launch_grid(pb.n_q, pb.batch, pb.heads_q, tiles)
-        n_splits, split_len = _splits(pb, grid, tiles.block_n, num_splits)
+        n_splits = _splits(pb, grid, tiles.block_n, num_splits)
         chosen = choose_spec(pb.d, pb.dv, pb.dtype, has_mask,
                              partial=n_splits > 1 or _unrounded(pb, float32_out))
         if spec is None:
@@ -134,7 +134,7 @@ def simt_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, 
             q=io.dev(q), k=io.dev(k), v=io.dev(v), mask=mask_dev, visible=visible, bias=bias_dev,
             kv_lengths=lengths, out=io.dev(dest[0]), lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d,
             d_v=pb.dv, group=pb.group, heads_q=pb.heads_q, n_tiles=n_tiles,
-            split_len=split_len, **band(pb), **steps))
+            n_splits=n_splits, split_keys=spec.block_n, **band(pb), **steps))
         if n_splits > 1:
             _merge(io, pb, dest, out, lse, n_splits, float32_out)
 
@@ -150,10 +150,11 @@ def check_num_splits(num_splits):
 
 
 def _splits(pb, blocks, block_n, num_splits):
-    """(n_splits, split_len): chosen (num_splits None) or as asked, in whole key tiles."""
+    """How many shares of whole block_n keys each block's keys are cut into: chosen
+    (num_splits None) or as asked (split_kv.split_count)."""
     if num_splits is None:
         return choose_splits(blocks, pb.n_k, block_n, sm_count())
-    return split_layout(pb.n_k, block_n, int(num_splits))
+    return split_count(pb.n_k, block_n, int(num_splits))
 
 
 def _partials(io, pb, n_splits):
@@ -233,11 +234,12 @@ def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, s
     summed: its variants that sum each step's products apart (precision "highest");
     float32_out: out is float32 for any input dtype (the partials' variants); blocks: a
     BlockTable or None; wgmma: the fast variant is flash_wgmma.py's (16-bit inputs; its
-    key tiles of WGMMA_KEYS have visible lists of their own, and splits hold whole ones)."""
+    key tiles of WGMMA_KEYS have visible lists of their own; splits cut at multiples of
+    them, which the careful variant's tiles divide)."""
     if pb.batch * pb.heads_q * pb.n_q > 0:
         q_tiles = -(-pb.n_q // MMA_BLOCK_M)
-        n_splits, split_len = _splits(pb, q_tiles * pb.batch * pb.heads_q,
-                                      WGMMA_KEYS if wgmma else MMA_BLOCK_N, num_splits)
+        split_keys = WGMMA_KEYS if wgmma else MMA_BLOCK_N  # both tile sizes divide it
+        n_splits = _splits(pb, q_tiles * pb.batch * pb.heads_q, split_keys, num_splits)
         mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
         has_mask = masked(mask, bias, blocks)
         tiles = [(MMA_BLOCK_M, n) for n in ((MMA_BLOCK_N, WGMMA_KEYS) if wgmma
@@ -257,7 +259,8 @@ def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, s
             MMA_ARG_NAMES, **named, **flags, mask=mask_dev, visible=lists, bias=bias_dev,
             kv_lengths=lengths, deferred=deferred, out=io.dev(dest[0]), lse=io.dev(dest[1]),
             n_q=pb.n_q, d=pb.d, d_v=pb.dv, group=pb.group, heads_q=pb.heads_q,
-            split_len=split_len, **band(pb), **steps) for lists in visible]
+            n_splits=n_splits, split_keys=split_keys, **band(pb), **steps)
+            for lists in visible]
         full = full_tiles_apply(pb.dtype, blocks is not None, blocks is not None and
                                 blocks.masked, bias is not None)
         partial = n_splits > 1 or _unrounded(pb, float32_out)

@@ -92,16 +92,36 @@ def block_program(n_tiles, right, batch, heads_q):
     return bh // (batch * heads_q), bh // heads_q % batch, bh % heads_q, tile
 
 
+def split_share(first, last, split, n_splits, split_keys):
+    """The keys of split `split` of n_splits of the keys first <= j < last: from first
+    rounded down to split_keys, shares of equal whole multiples of split_keys (the last ones
+    short or empty), clipped to first .. last."""
+    origin = first // split_keys * split_keys
+    pieces = max(last - origin + split_keys - 1, 0) // split_keys
+    share = (pieces + n_splits - 1) // n_splits * split_keys
+    return max(first, origin + split * share), min(last, origin + (split + 1) * share)
+
+
+split_share_device = device_function(split_share)  # plain arithmetic: tested on the host
+
+
 @device_function
-def key_tiles(start_m, last_row, n_q, kv_len, left, right, bottom_right, split, split_len,
-              block_n):
+def key_tiles(start_m, last_row, n_q, kv_len, left, right, bottom_right, split, n_splits,
+              split_keys, block_n):
     """(first, last, lo_last, hi_first): the keys first <= j < last that rows start_m ..
     last_row can see, first rounded down to a tile of block_n keys, and the band
     lo_last <= j < hi_first that every one of them sees. key_range is monotone in the row, so
     the first and last rows bound them: tiles outside the causal band or window are never
-    visited. With split-KV a block sees its own split's keys only."""
+    visited. With split-KV (n_splits > 1) a block sees split `split` of that band alone:
+    the band, from its first key rounded down to split_keys, cut into n_splits shares of
+    whole split_keys (the last ones short or empty), so that the splits of a window, of a
+    causal band or of a short kv_length each hold a share of its keys (cut from key 0, the
+    keys a band leaves out would make most splits empty), and kernels of any key tile that
+    divides split_keys cut alike (a fast variant and the careful one that redoes a block)."""
     lo_first, hi_first = key_range_device(start_m, n_q, kv_len, left, right, bottom_right)
     lo_last, hi_last = key_range_device(last_row, n_q, kv_len, left, right, bottom_right)
-    first = max(max(lo_first, 0) // block_n * block_n, split * split_len)
-    last = min(hi_last, kv_len, (split + 1) * split_len)
+    first = max(lo_first, 0) // block_n * block_n
+    last = min(hi_last, kv_len)
+    if n_splits > 1:
+        first, last = split_share_device(first, last, split, n_splits, split_keys)
     return first, last, lo_last, hi_first

@@ -1,10 +1,10 @@
 """Split-KV: more thread blocks when the query tiles alone cannot fill the GPU (decoding).
 
 With few query rows (Nq = 1 when decoding) there are only B * Hq * ceil(Nq / BLOCK_M) blocks,
-fewer than the SMs, and each walks every key. Split the keys into n_splits ranges of split_len
-(a multiple of BLOCK_N); the kernel then runs one block per (split, query tile, batch, head),
-each writing a partial (out, lse) over its keys in float32, and `merge_splits` combines them
-with reference/merge.py's rule:
+fewer than the SMs, and each walks every key. Cut the keys each block sees (its band: causal,
+window, kv_lengths) into n_splits shares of whole split_keys (schedule.key_tiles: the widest key tile of the kernels a call launches); the kernel
+then runs one block per (split, query tile, batch, head), each writing a partial (out, lse)
+over its share in float32, and `merge_splits` combines them with reference/merge.py's rule:
 
     lse = log(sum_s exp(lse_s)),    out = sum_s exp(lse_s - lse) * out_s
 
@@ -23,23 +23,21 @@ MIN_TILES_PER_SPLIT = 4  # key tiles a split walks at least: a split is worth a 
 
 
 def choose_splits(blocks, n_k, block_n, n_sm):
-    """How many key ranges to split into, and each one's length (a multiple of block_n).
+    """How many shares to cut each block's keys into (split_count's).
 
     blocks: thread blocks without splitting. Splits only as far as the GPU holds all blocks
     at once (FILL_BLOCKS_PER_SM a SM), so a launch that already fills more than half of that
     is not split (it would pay the merge and gain no SM), and never below MIN_TILES_PER_SPLIT
-    key tiles a split."""
+    key tiles of block_n a split of all Nk keys."""
     key_tiles = -(-n_k // block_n)
     want = n_sm * FILL_BLOCKS_PER_SM // blocks
-    n_splits = max(1, min(want, key_tiles // MIN_TILES_PER_SPLIT))
-    return split_layout(n_k, block_n, n_splits)
+    return split_count(n_k, block_n, max(1, min(want, key_tiles // MIN_TILES_PER_SPLIT)))
 
 
-def split_layout(n_k, block_n, n_splits):
-    """(n_splits, split_len) for at most n_splits ranges of whole key tiles, none empty."""
-    key_tiles = max(1, -(-n_k // block_n))
-    tiles_per_split = -(-key_tiles // max(1, min(n_splits, key_tiles)))
-    return -(-key_tiles // tiles_per_split), tiles_per_split * block_n
+def split_count(n_k, split_keys, n_splits):
+    """n_splits, at most the pieces of split_keys keys that Nk holds (no share of all Nk keys
+    empty), at least 1."""
+    return max(1, min(n_splits, -(-n_k // split_keys)))
 
 
 def merge_source(dtype):

@@ -159,9 +159,32 @@ def test_split_kv(name, poisoned):
 def test_choose_splits(blocks, n_k, want):
     from numba_kernels.split_kv import choose_splits
 
-    n_splits, split_len = choose_splits(blocks, n_k, 16, n_sm=132)
-    assert n_splits == want
-    assert split_len % 16 == 0 and (n_splits - 1) * split_len < n_k <= n_splits * split_len
+    assert choose_splits(blocks, n_k, 16, n_sm=132) == want
+
+
+@pytest.mark.parametrize("first, last, n_splits, split_keys", [
+    (28672, 32768, 8, 64),  # decoding in a window of the last 4096 keys
+    (96, 32768, 8, 32),  # a band starting past key 0
+    (0, 200, 3, 64),  # fewer pieces than...
+    (0, 130, 8, 64),  # ... splits: the last splits empty
+    (64, 64, 4, 16),  # no key at all
+])
+def test_split_shares_cut_the_band_itself(first, last, n_splits, split_keys):
+    """split-KV's shares (schedule.split_share) are disjoint, in order, cover the keys
+    first .. last exactly, meet at multiples of split_keys, and each holds at most
+    ceil(pieces / n_splits) of the band's pieces of split_keys: a window's keys go to every
+    split (cut from key 0, the window of decoding fell to one split)."""
+    from numba_kernels.schedule import split_share
+
+    shares = [split_share(first, last, s, n_splits, split_keys) for s in range(n_splits)]
+    held = [(a, b) for a, b in shares if a < b]
+    keys = [j for a, b in held for j in range(a, b)]
+    assert keys == list(range(first, last))
+    assert all(b % split_keys == 0 for _, b in held[:-1])
+    pieces = -(-(last - first // split_keys * split_keys) // split_keys)
+    assert all(b - a <= -(-pieces // n_splits) * split_keys for a, b in held)
+    if pieces >= n_splits:
+        assert len(held) > n_splits // 2
 
 
 def test_split_kv_nan_reaches_only_its_rows():
@@ -317,8 +340,8 @@ def test_one_description_of_the_kernels_arguments():
     assert len(plain_signature(PlainSpec(64, "float32", True))) == len(PLAIN_ARG_NAMES)
     values = {name: i for i, name in enumerate(ARG_NAMES)}
     assert kernel_args(**values) == tuple(range(len(ARG_NAMES)))
-    with pytest.raises(TypeError, match=r"missing \['split_len'\], unknown \['splitlen'\]"):
-        kernel_args(**{("splitlen" if n == "split_len" else n): v for n, v in values.items()})
+    with pytest.raises(TypeError, match=r"missing \['n_splits'\], unknown \['nsplits'\]"):
+        kernel_args(**{("nsplits" if n == "n_splits" else n): v for n, v in values.items()})
 
 
 def test_a_kernel_whose_parameters_drift_from_its_args_is_refused():

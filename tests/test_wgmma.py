@@ -129,3 +129,23 @@ def test_autograd_refuses_it_while_it_has_no_backward():
     q = torch.zeros((1, 1, 8, 64), dtype=torch.float16, device=device, requires_grad=True)
     with pytest.raises(NotImplementedError, match="no backward yet"):
         flash_attention(q, q, q, kernel="wgmma")
+
+
+@pytest.mark.skipif(hopper_why_not() is not None, reason=str(hopper_why_not()))
+def test_a_split_redone_by_the_careful_variant_keeps_its_keys():
+    """Split-KV with a deferred block: a NaN in V at key 110, hidden by the mask, makes the
+    fast (wgmma, tiles of 64 keys) variant's first split end non-finite; flash_mma's careful
+    variant (tiles of 32) redoes that split, and must take the same keys (200 keys in 3
+    splits: shares cut at 64 keys, 0 .. 128; cut at 32 they would be 0 .. 96). The result is
+    the reference's."""
+    import reference
+
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((1, 1, 1, 64)).astype(np.float16)
+    k, v = (rng.standard_normal((1, 1, 200, 64)).astype(np.float16) for _ in "kv")
+    mask = np.ones((1, 1, 1, 200), bool)
+    mask[..., 110] = False
+    v[0, 0, 110] = np.nan
+    out = flash_attention(q, k, v, mask=mask, kernel="wgmma", num_splits=3)
+    want = reference.attention(*(x.astype(np.float64) for x in (q, k, v)), mask=mask)
+    np.testing.assert_allclose(out.astype(np.float64), want, atol=3e-3)
