@@ -41,6 +41,8 @@ CALLS = {
     "wgmma bf16 d64": ("fwd", (4, 16, 4096, 4096, 64), "bfloat16", dict(kernel="wgmma")),
     "mma fp16 decoding": ("fwd", (8, 8, 1, 32768, 128), "float16", dict(kernel="mma")),
     "simt fp32 decoding": ("fwd", (8, 8, 1, 32768, 128), "float32", dict(kernel="simt")),
+    "mma fp16 decoding window": ("fwd", (8, 8, 1, 32768, 128), "float16",
+                                 dict(kernel="mma", causal="bottom_right", window=(4096, 0))),
     "plain fp32": ("fwd-plain", (1, 4, 512, 512, 64), "float32", {}),
     "tuned bwd fp32": ("bwd", (2, 8, 2048, 2048, 128), "float32", dict(kernel="tuned")),
     "mma bwd bf16": ("bwd", (2, 16, 4096, 4096, 128), "bfloat16", dict(kernel="mma")),
