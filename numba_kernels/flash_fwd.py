@@ -446,8 +446,8 @@ def kernel_source(spec):
                                                      walk.reads_mask, walk.STEP)
 
     def flash_fwd(q, k, v, mask, visible, bias, kv_lengths, out, lse, n_q, d, d_v, group,
-                  heads_q, n_tiles, n_splits, split_keys, qk_scale, left, right, bottom_right, mask_steps,
-                  bias_steps):
+                  heads_q, n_tiles, n_splits, split_keys, qk_scale, left, right, bottom_right,
+                  mask_steps, bias_steps):
         # One shared array, carved by KernelSpec.offsets; at offset 0 of the block's shared
         # memory it is 16-byte aligned, as load4 needs.
         words = cuda.shared.array(SHARED_WORDS, float32)

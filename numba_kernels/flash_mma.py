@@ -412,8 +412,8 @@ def kernel_source(spec):
                                P_BACK)
 
     def flash_mma(q, k, v, mask, visible, bias, kv_lengths, q_flags, k_flags, factors,
-                  deferred, out, lse, n_q, d, d_v, group, heads_q, n_splits, split_keys, qk_scale, left,
-                  right, bottom_right, mask_steps, bias_steps):
+                  deferred, out, lse, n_q, d, d_v, group, heads_q, n_splits, split_keys,
+                  qk_scale, left, right, bottom_right, mask_steps, bias_steps):
         words = cuda.shared.array(WORDS, uint32)  # two stages; Q lands in the second first
         q_frag = cuda.local.array((KSTEPS, 4), uint32)  # this warp's rows of Q, A fragments
         s = cuda.local.array((NB, 4), float32)  # S, then P, of the lane's fragment

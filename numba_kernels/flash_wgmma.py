@@ -259,8 +259,8 @@ def kernel_source(spec):
     store_out = make_store_out(DV, CONVERTERS["float32" if spec.partial else spec.dtype][1])
 
     def flash_wgmma(q, k, v, mask, visible, bias, kv_lengths, q_flags, k_flags, factors,
-                    deferred, out, lse, n_q, d, d_v, group, heads_q, n_splits, split_keys, qk_scale, left,
-                    right, bottom_right, mask_steps, bias_steps):
+                    deferred, out, lse, n_q, d, d_v, group, heads_q, n_splits, split_keys,
+                    qk_scale, left, right, bottom_right, mask_steps, bias_steps):
         words = cuda.shared.array(0, uint32)  # dynamic: layout's words
         s = cuda.local.array((NB, 4), float32)  # S, then P, of the thread's fragment
         acc = cuda.local.array((VB, 4), float32)  # running sum of exp2(s - m_i) * v

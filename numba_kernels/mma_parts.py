@@ -32,8 +32,9 @@ def halves_ship(dtype, has_mask, d, d_v):
 
 def full_tiles_apply(dtype, table_read, mask_given, bias_given):
     """Whether the tensor-core kernels, forward (mma.sync and wgmma) and backward, run their
-    full_tiles variants (no mask or bias read): 16-bit inputs and a block table read as it is (prepass.table_fits),
-    with neither a mask nor a bias, so every tile its lists hold is FULL."""
+    full_tiles variants (no mask or bias read): 16-bit inputs and a block table read as it is
+    (prepass.table_fits), with neither a mask nor a bias, so every tile its lists hold is
+    FULL."""
     return dtype != "float32" and table_read and not mask_given and not bias_given
 
 
@@ -72,14 +73,15 @@ def make_copy_tile(ROWS, WIDTH, ROW_WORDS, SWIZZLED=False):
         tid = cuda.threadIdx.x
         r, c = tid // CHUNKS, tid % CHUNKS
         src = base + (start + r) * width + c * 8  # flat element of pass 0
-        if SWIZZLED:
-            dst = at + (c // 8) * BLOCK_WORDS + r * ROW_WORDS + 4 * ((c % 8) ^ (r % 8))
-        else:
-            dst = at + r * ROW_WORDS + c * 4
+        swizzled = at + (c // 8) * BLOCK_WORDS + r * ROW_WORDS + 4 * ((c % 8) ^ (r % 8))
         for p in range(PASSES):
             ok = c * 8 < width and start + r + p * ROWS_AT_ONCE < n
-            warp.cp_async16(words, dst + p * ROWS_AT_ONCE * ROW_WORDS, x,
-                            src + p * ROWS_AT_ONCE * width if ok else base, 16 if ok else 0)
+            if SWIZZLED:  # pass p's rows: the same chunk of a row
+                dst = swizzled + p * ROWS_AT_ONCE * ROW_WORDS
+            else:
+                dst = at + (r + p * ROWS_AT_ONCE) * ROW_WORDS + c * 4
+            warp.cp_async16(words, dst, x, src + p * ROWS_AT_ONCE * width if ok else base,
+                            16 if ok else 0)
 
     return copy_tile
 

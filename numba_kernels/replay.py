@@ -1,22 +1,24 @@
 """Calls of one layout, replayed: the first call's launches, recorded once.
 
-Which kernels a call (forward.forward, backward.flash_attention_backward) launches, on which grids, with which scalars, and which buffers
-it allocates depend only on its layout: the inputs' dtypes, shapes, strides, devices and
-which of them share memory, the options, the stream. So the first torch call of a layout
-takes the api's whole path and records it (`recording`): each launch's packed plan
-(launch.py) and where each of its data pointers came from, an input, a buffer the call
-allocated (io.empty, io.scratch) or a tensor the api keeps (io's constants). A later call of
-that layout allocates the same buffers anew and launches the same plans with its own
-pointers (`Replay.run`): no argument checks, kernel choice or per-launch bookkeeping, whose
-host time the GPU otherwise waits for on every call that starts from an idle GPU.
+Which kernels a call (forward.forward, backward.flash_attention_backward) launches, on which
+grids, with which scalars, and which buffers it allocates depend only on its layout: the
+inputs' dtypes, shapes, strides, devices and which of them share memory, the options, the
+stream. So the first torch call of a layout takes the api's whole path and records it
+(`recording`): each launch's packed plan (launch.py) and where each of its data pointers
+came from, an input, a buffer the call allocated (io.empty, io.scratch) or a tensor the api
+keeps (io's constants). A later call of that layout allocates the same buffers anew and
+launches the same plans with its own pointers (`Replay.run`): no argument checks, kernel
+choice or per-launch bookkeeping, whose host time the GPU otherwise waits for on every call
+that starts from an idle GPU.
 
 Only torch CUDA tensors without kv_lengths, spec or dlse are replayed (the host reads
 kv_lengths' values; dlse is subtracted by a torch operation, not a launch), with options of
-plain Python values; a mask and a bias are inputs like q, k and v
-(their pre-pass is one of the launches). The layout holds each input's data pointer modulo
-16: a pre-pass that reads a mask as words of four keys is chosen by its alignment. A call whose recording meets anything else (a launch without a packed plan, a pointer
-that is neither an input, an allocated buffer nor a kept tensor: a strided input's contiguous
-copy) marks its layout as not replayable, and every call of it takes the whole path.
+plain Python values; a mask and a bias are inputs like q, k and v (their pre-passes are
+launches). The layout holds each input's data pointer modulo 16: a pre-pass that reads a
+mask as words of four keys is chosen by its alignment. A call whose recording meets anything
+else (a launch without a packed plan, a pointer that is neither an input, an allocated
+buffer nor a kept tensor: a strided input's contiguous copy) marks its layout as not
+replayable, and every call of it takes the whole path.
 """
 import sys
 import threading

@@ -95,10 +95,13 @@ def block_program(n_tiles, right, batch, heads_q):
 def split_share(first, last, split, n_splits, split_keys):
     """The keys of split `split` of n_splits of the keys first <= j < last: from first
     rounded down to split_keys, shares of equal whole multiples of split_keys (the last ones
-    short or empty), clipped to first .. last."""
-    origin = first // split_keys * split_keys
-    pieces = max(last - origin + split_keys - 1, 0) // split_keys
-    share = (pieces + n_splits - 1) // n_splits * split_keys
+    short or empty), clipped to first .. last. Divided in 32-bit arithmetic, as grid_order
+    (a 64-bit division is a subroutine call: with it the bounded full_tiles forward spilled
+    84 bytes)."""
+    keys = uint32(split_keys)
+    origin = int64(uint32(first) // keys * keys)
+    pieces = uint32(max(last - origin + split_keys - 1, 0)) // keys
+    share = int64((pieces + uint32(n_splits - 1)) // uint32(n_splits) * keys)
     return max(first, origin + split * share), min(last, origin + (split + 1) * share)
 
 
@@ -120,8 +123,11 @@ def key_tiles(start_m, last_row, n_q, kv_len, left, right, bottom_right, split, 
     divides split_keys cut alike (a fast variant and the careful one that redoes a block)."""
     lo_first, hi_first = key_range_device(start_m, n_q, kv_len, left, right, bottom_right)
     lo_last, hi_last = key_range_device(last_row, n_q, kv_len, left, right, bottom_right)
-    first = max(lo_first, 0) // block_n * block_n
-    last = min(hi_last, kv_len)
-    if n_splits > 1:
-        first, last = split_share_device(first, last, split, n_splits, split_keys)
+    # Applied to every block, the split's bounds kept beside the band's in max and min: with
+    # `first` the band's alone where there is one split, ptxas took the float32 summed
+    # variants from 180 registers to 254 and spilled.
+    start, end = split_share_device(max(lo_first, 0), min(hi_last, kv_len), split, n_splits,
+                                    split_keys)
+    first = max(max(lo_first, 0) // block_n * block_n, start // block_n * block_n)
+    last = min(hi_last, kv_len, end)
     return first, last, lo_last, hi_first
