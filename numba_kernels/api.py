@@ -27,8 +27,8 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     first (so that a variant has one compiled version); other device arrays are read through
     their strides.
 
-    num_splits: split the keys into this many ranges, one block each, merged by lse
-    (split_kv.py); None chooses: splits only when the query tiles alone leave the GPU's SMs
+    num_splits: cut the keys each query tile sees (its band) into this many shares, one
+    block each, merged by lse (split_kv.py; at most one share a key tile); None chooses: splits only when the query tiles alone leave the GPU's SMs
     idle (decoding). spec: a KernelSpec that forces one variant of the SIMT kernel (for
     benchmarks); by default specs.choose_spec picks it. kernel: "auto" (the default: the
     tensor-core kernel where it applies: 16-bit inputs, and float32 from 64 query rows
