@@ -1,6 +1,7 @@
 """Every shipped kernel variant compiles for sm_90 without spills, local memory, float64
 instructions or shared memory over the static (or the dynamic) limit
-(numba_kernels/ptx_report.py); a variant with launch bounds may spill BOUNDED_SPILL bytes.
+(numba_kernels/ptx_report.py); a variant with launch bounds may spill BOUNDED_SPILL bytes, a
+careful one CAREFUL_SPILL.
 
 Runs in a subprocess without the CUDA simulator, which cannot compile PTX. Compiling the 591
 kernels (numba_kernels.specs.gate_specs) takes about 12 minutes on 2 cores: tests/conftest.py starts the report as soon as this
@@ -209,11 +210,14 @@ def test_the_gate_fails_dynamic_shared_memory_over_a_blocks_limit(monkeypatch):
         BwdSpec("dkdv", 256, 256, "float32", False, (64, 64, 16, 16)).check()
 
 
-@pytest.mark.parametrize("spilled, bounds, ok", [(0, None, True), (8, None, False),
-                                                 (16, (128, 3), True), (20, (128, 3), False)])
-def test_only_a_bounded_variant_may_spill_and_only_a_little(monkeypatch, spilled, bounds, ok):
+@pytest.mark.parametrize("spilled, bounds, careful, ok", [
+    (0, None, False, True), (8, None, False, False), (16, (128, 3), False, True),
+    (20, (128, 3), False, False), (8, None, True, True), (12, None, True, False)])
+def test_only_a_bounded_or_careful_variant_may_spill_and_only_a_little(monkeypatch, spilled,
+                                                                       bounds, careful, ok):
     """A variant compiled with launch bounds (MmaSpec.launch_bounds) may spill up to
-    BOUNDED_SPILL bytes each way; any other variant not at all."""
+    BOUNDED_SPILL bytes each way, a careful one (the blocks a fast one deferred) CAREFUL_SPILL;
+    any other variant not at all."""
     from contextlib import nullcontext
 
     from numba_kernels import numba_internals, ptx_report, specs
@@ -223,6 +227,6 @@ def test_only_a_bounded_variant_may_spill_and_only_a_little(monkeypatch, spilled
     monkeypatch.setattr(ptx_report, "ptxas_figures", lambda ptx, cc, ptxas: dict(
         registers=168, spill_stores=spilled, spill_loads=spilled, stack_frame=spilled,
         shared=0, f64_instructions=0))
-    assert ptx_report.BOUNDED_SPILL == 16
-    spec = SimpleNamespace(launch_bounds=bounds, dynamic_shared_bytes=0)
+    assert ptx_report.BOUNDED_SPILL == 16 and ptx_report.CAREFUL_SPILL == 8
+    spec = SimpleNamespace(launch_bounds=bounds, careful=careful, dynamic_shared_bytes=0)
     assert ptx_report.check_variant((spec, (9, 0), "ptxas"))["ok"] == ok
