@@ -163,8 +163,8 @@ def shape_plan(pb, kernel, spec, has_mask, precision):
         why_not = float32_why_not(pb, has_mask)
     if why_not is None:
         if pb.dtype != "float32":
-            return Plan("mma", "asked for" if kernel == "mma" else "16-bit inputs it takes",
-                        "highest")
+            return Plan("mma", "asked for" if kernel == "mma" else
+                        "16-bit inputs it takes" + hopper_note(pb), "highest")
         return Plan("mma", "asked for" if kernel == "mma" else
                     f"float32 inputs it takes, as float16 halves ({HALVES_WAY[precision]})",
                     precision)
@@ -299,6 +299,17 @@ def wgmma_why_not(pb, spec=None):
     if why_not is None and spec is not None:
         why_not = "a spec (a variant of the SIMT kernel) was given"
     return why_not or hopper_why_not()
+
+
+def hopper_note(pb):
+    """For "auto" on a Hopper GPU where the wgmma forward applies: why it keeps mma.sync."""
+    from .convert import SIMULATOR
+
+    if SIMULATOR or wgmma_why_not(pb) is not None:
+        return ""
+    return ("; on this GPU kernel='wgmma' (Hopper's warpgroup tensor cores) is faster for "
+            "calls without gradients: 'auto' keeps mma.sync, whose backward recomputes the "
+            "forward's scores bit for bit")
 
 
 def hopper_why_not():

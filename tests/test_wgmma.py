@@ -106,6 +106,23 @@ def test_kernel_plan_names_wgmma_where_asked_and_why_not():
                         np.float16), np.zeros((1, 1, 8, 136), np.float16), kernel="wgmma")
 
 
+def test_auto_on_a_hopper_gpu_names_wgmma_and_why_it_keeps_mma_sync(monkeypatch):
+    """kernel="auto" keeps mma.sync (its backward recomputes the forward's scores); on a
+    Hopper GPU, where the wgmma forward applies, kernel_plan says it is there to ask for;
+    not on another GPU, nor for inputs it does not take."""
+    from numba_kernels import convert, plan
+
+    q = np.zeros((1, 1, 8, 64), np.float16)
+    assert "wgmma" not in kernel_plan(q, q, q).why  # the simulator: no GPU to speak of
+    monkeypatch.setattr(convert, "SIMULATOR", False)
+    monkeypatch.setattr(plan, "hopper_why_not", lambda: None)
+    got = kernel_plan(q, q, q)
+    assert got.kernel == "mma" and "kernel='wgmma'" in got.why and "bit for bit" in got.why
+    assert "wgmma" not in kernel_plan(q, q, q, kernel="mma").why
+    monkeypatch.setattr(plan, "hopper_why_not", lambda: "compute capability 8.0")
+    assert "wgmma" not in kernel_plan(q, q, q).why
+
+
 def test_only_a_hopper_gpu_runs_it(monkeypatch):
     """Off the simulator, a GPU whose compute capability is not 9.0 is named."""
     from numba import cuda
