@@ -15,7 +15,7 @@ from .flash_mma_bwd import (BLOCK as MMA_BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaB
 from .launch import launch
 from .mma_parts import (BLOCK_N as MMA_KEY_TILE, THREADS as MMA_THREADS, full_tiles_apply,
                         mma_width)
-from .plain_bwd import DELTA_THREADS, plain_bwd_kernel
+from .plain_bwd import DELTA_ROWS, DELTA_THREADS, plain_bwd_kernel
 from .plain_fwd import plain_tiles
 from .plan import backward_plan, halves_summed, resolve_precision
 from .prepass import class_prepass, fit_blocks, flag_prepass, halves_prepass, list_prepass
@@ -158,7 +158,7 @@ def _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, ke
     bh_q = pb.batch * pb.heads_q
     if bh_q * pb.n_q:
         launch(plain_bwd_kernel("delta", width, width, pb.dtype, False), ("delta", pb.dtype),
-               (-(-pb.n_q // DELTA_THREADS), bh_q), DELTA_THREADS, io.stream,
+               (-(-pb.n_q // DELTA_ROWS), bh_q), DELTA_THREADS, io.stream,
                *_ordered(DELTA_ARGS, dict(named, out=io.dev(out))))
         if dlse is not None:
             named["delta"] = _minus(io, named["delta"], dlse)

@@ -3,7 +3,7 @@ one CUDA thread per key (dK, dV) or per query row (dQ).
 
 Three kernels, launched in this order by numba_kernels.flash_attention_backward:
 
-    delta_kernel  delta_i = rowsum(dO_i * O_i)                          one thread per row
+    delta_kernel  delta_i = rowsum(dO_i * O_i)                          one warp per row
     dkdv_kernel   one block per key tile of a (batch, key head), one thread per key j: it
                   keeps k_j, v_j and its accumulators dk_j, dv_j in its own (local) arrays
                   and walks every query tile of the group's query heads, which the block
@@ -28,6 +28,7 @@ from functools import lru_cache
 
 from numba import cuda
 
+from . import warp
 from .compile_cache import jit
 from .convert import float32, CONVERTERS
 from .common import (DELTA_ARGS, DKDV_ARGS, DQ_ARGS, F_LOG2E, FASTMATH, NEG_INF, ZERO,
@@ -35,6 +36,7 @@ from .common import (DELTA_ARGS, DKDV_ARGS, DQ_ARGS, F_LOG2E, FASTMATH, NEG_INF,
 from .plain_fwd import make_load_row, make_load_tile, make_score, plain_tiles
 
 DELTA_THREADS = 128
+DELTA_ROWS = DELTA_THREADS // warp.LANES  # the delta kernel's rows a block: a warp a row
 
 
 @dataclass(frozen=True)
@@ -73,14 +75,21 @@ def delta_kernel_source(dtype):
     load = CONVERTERS[dtype][0]
 
     def delta_kernel(out, dout, delta, n_q):
+        """delta[b, h, i] = sum_c out[b, h, i, c] * dout[b, h, i, c], one warp a row: lane l
+        sums the columns l, l + 32, ... (a warp's loads side by side in memory), then the
+        lanes' sums are added by shuffles. The order is fixed: two runs are bitwise equal."""
         heads_q = out.shape[1]
         b, h = cuda.blockIdx.y // heads_q, cuda.blockIdx.y % heads_q
-        i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if i < n_q:
+        lane = cuda.threadIdx.x % warp.LANES
+        i = cuda.blockIdx.x * DELTA_ROWS + cuda.threadIdx.x // warp.LANES
+        if i < n_q:  # the whole warp
             acc = ZERO
-            for c in range(out.shape[3]):
+            for c in range(lane, out.shape[3], warp.LANES):
                 acc += load(out[b, h, i, c]) * load(dout[b, h, i, c])
-            delta[b, h, i] = acc
+            for step in (16, 8, 4, 2, 1):
+                acc += warp.shfl_xor(acc, step)
+            if lane == 0:
+                delta[b, h, i] = acc
 
     return check_parameters(delta_kernel, tuple(a[0] for a in DELTA_ARGS))
 

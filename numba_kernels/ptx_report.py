@@ -74,7 +74,8 @@ SOURCES = KERNEL_SOURCES + ("numba_kernels/ptx_report.py",)
 BOUNDED_SPILL = 16
 # Bytes a careful variant (MmaSpec.careful: it does again only the blocks the fast one
 # deferred, a row that ended non-finite, most calls none) may spill: the float32 summed ones
-# hold 255 registers, and split-KV's shares (schedule.key_tiles) cost them 8 bytes.
+# sit at the register limit, and split-KV's shares (schedule.key_tiles) push them past it
+# (docs/design/tensor_cores.md).
 CAREFUL_SPILL = 8
 
 

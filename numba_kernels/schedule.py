@@ -32,8 +32,8 @@ launch_order_device = device_function(launch_order)  # plain arithmetic: tested 
 def grid_order(causal):
     """launch_order for a 2-D grid of (tiles, bh) blocks, blockIdx.x the fastest (the order
     in which the GPU starts them). Divided in 32-bit arithmetic (a 64-bit division is a
-    subroutine call, and with it the D = 128 tensor-core forward took 225 registers instead
-    of 166), returned as int64 (unsigned values would wrap in the kernels' differences)."""
+    subroutine call, which costs the kernels registers: docs/design/tensor_cores.md),
+    returned as int64 (unsigned values would wrap in the kernels' differences)."""
     n_tiles = uint32(cuda.gridDim.x)
     bh, rank = launch_order_device(uint32(cuda.blockIdx.y) * n_tiles + uint32(cuda.blockIdx.x),
                                    n_tiles, uint32(cuda.gridDim.y), causal)
@@ -96,8 +96,7 @@ def split_share(first, last, split, n_splits, split_keys):
     """The keys of split `split` of n_splits of the keys first <= j < last: from first
     rounded down to split_keys, shares of equal whole multiples of split_keys (the last ones
     short or empty), clipped to first .. last. Divided in 32-bit arithmetic, as grid_order
-    (a 64-bit division is a subroutine call: with it the bounded full_tiles forward spilled
-    84 bytes)."""
+    (a 64-bit division is a subroutine call: docs/design/tensor_cores.md)."""
     keys = uint32(split_keys)
     origin = int64(uint32(first) // keys * keys)
     pieces = uint32(max(last - origin + split_keys - 1, 0)) // keys
@@ -123,9 +122,9 @@ def key_tiles(start_m, last_row, n_q, kv_len, left, right, bottom_right, split, 
     divides split_keys cut alike (a fast variant and the careful one that redoes a block)."""
     lo_first, hi_first = key_range_device(start_m, n_q, kv_len, left, right, bottom_right)
     lo_last, hi_last = key_range_device(last_row, n_q, kv_len, left, right, bottom_right)
-    # Applied to every block, the split's bounds kept beside the band's in max and min: with
-    # `first` the band's alone where there is one split, ptxas took the float32 summed
-    # variants from 180 registers to 254 and spilled.
+    # Applied to every block, the split's bounds kept beside the band's in max and min: a
+    # branch on the split count costs the float32 summed variants their registers
+    # (docs/design/tensor_cores.md).
     start, end = split_share_device(max(lo_first, 0), min(hi_last, kv_len), split, n_splits,
                                     split_keys)
     first = max(max(lo_first, 0) // block_n * block_n, start // block_n * block_n)
