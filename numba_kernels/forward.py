@@ -11,7 +11,7 @@ from .common import kernel_args
 from .flash_fwd import KernelSpec
 from .flash_mma import MMA_ARG_NAMES, MmaSpec, mma_kernel
 from .flash_wgmma import KEYS as WGMMA_KEYS, WgmmaSpec, wgmma_kernel
-from .launch import launch
+from .launch import launch, resident_blocks
 from .mma_parts import (BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N, full_tiles_apply,
                         mma_width as pad_mma)
 from .plain_fwd import PLAIN_ARG_NAMES, plain_kernel, plain_tiles
@@ -19,7 +19,7 @@ from .plan import (call_plan, check_kernel, halves_range_why_not, halves_summed,
                    resolve_precision)
 from .prepass import class_prepass, fit_blocks, halves_prepass, list_prepass
 from .specs import build_kernel, build_merge, choose_spec, launch_grid, pad
-from .split_kv import choose_splits, split_count
+from .split_kv import FILL_BLOCKS_PER_SM, choose_splits, split_count
 
 
 def forward(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_lengths=None,
@@ -149,11 +149,13 @@ def check_num_splits(num_splits):
         raise ValueError(f"num_splits must be None or an integer >= 1, got {num_splits!r}")
 
 
-def _splits(pb, blocks, block_n, num_splits):
+def _splits(pb, blocks, block_n, num_splits, resident=None):
     """How many shares of whole block_n keys each block's keys are cut into: chosen
-    (num_splits None) or as asked (split_kv.split_count)."""
+    (num_splits None; resident: the blocks an SM holds of the variant that runs split,
+    None for split_kv's default) or as asked (split_kv.split_count)."""
     if num_splits is None:
-        return choose_splits(blocks, pb.n_k, block_n, sm_count())
+        return choose_splits(blocks, pb.n_k, block_n, sm_count(),
+                             FILL_BLOCKS_PER_SM if resident is None else resident)
     return split_count(pb.n_k, block_n, int(num_splits))
 
 
@@ -239,7 +241,6 @@ def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, s
     if pb.batch * pb.heads_q * pb.n_q > 0:
         q_tiles = -(-pb.n_q // MMA_BLOCK_M)
         split_keys = WGMMA_KEYS if wgmma else MMA_BLOCK_N  # both tile sizes divide it
-        n_splits = _splits(pb, q_tiles * pb.batch * pb.heads_q, split_keys, num_splits)
         mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
         has_mask = masked(mask, bias, blocks)
         tiles = [(MMA_BLOCK_M, n) for n in ((MMA_BLOCK_N, WGMMA_KEYS) if wgmma
@@ -247,33 +248,73 @@ def mma_forward(pb, io, out, lse, q, k, v, mask, bias, kv_lengths, num_splits, s
         mask_dev, steps, blocks = fit_blocks(io, pb, mask_dev, steps, blocks, tiles)
         visible = [list_prepass(io, class_prepass(io, pb, mask_dev, steps["mask_steps"],
                                                   has_mask, m, n, blocks)) for m, n in tiles]
-        dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
-        deferred = io.scratch((n_splits * pb.batch, pb.heads_q, q_tiles))
         named = dict(q=io.dev(q), k=io.dev(k), v=io.dev(v))
+        halves_flags = None
         if pb.dtype == "float32":
-            named, flags = halves_prepass(io, named, ("q", "k", "v"))
-            del flags["v_flags"]  # a V tile's NaN or inf: the careful variant's own test
-        else:  # not read by the 16-bit variants
-            flags = dict(q_flags=deferred, k_flags=deferred, factors=io.flat(io.dev(dest[1])))
-        args = [kernel_args(
-            MMA_ARG_NAMES, **named, **flags, mask=mask_dev, visible=lists, bias=bias_dev,
-            kv_lengths=lengths, deferred=deferred, out=io.dev(dest[0]), lse=io.dev(dest[1]),
-            n_q=pb.n_q, d=pb.d, d_v=pb.dv, group=pb.group, heads_q=pb.heads_q,
-            n_splits=n_splits, split_keys=split_keys, **band(pb), **steps)
-            for lists in visible]
+            named, halves_flags = halves_prepass(io, named, ("q", "k", "v"))
+            del halves_flags["v_flags"]  # a V tile's NaN or inf: the careful variant's own
+
+        def call_args(n_splits, dest, deferred):
+            """The kernels' arguments, one list for each tile size's visible lists."""
+            # (the flags and factors are not read by the 16-bit variants)
+            flags = halves_flags or dict(q_flags=deferred, k_flags=deferred,
+                                         factors=io.flat(io.dev(dest[1])))
+            return [kernel_args(
+                MMA_ARG_NAMES, **named, **flags, mask=mask_dev, visible=lists, bias=bias_dev,
+                kv_lengths=lengths, deferred=deferred, out=io.dev(dest[0]),
+                lse=io.dev(dest[1]), n_q=pb.n_q, d=pb.d, d_v=pb.dv, group=pb.group,
+                heads_q=pb.heads_q, n_splits=n_splits, split_keys=split_keys, **band(pb),
+                **steps) for lists in visible]
+
         full = full_tiles_apply(pb.dtype, blocks is not None, blocks is not None and
                                 blocks.masked, bias is not None)
+
+        def variant(careful, partial):
+            return _mma_variant(pb, has_mask, partial, careful, summed, full, wgmma)
+
+        n_splits = _mma_splits(io, pb, q_tiles * pb.batch * pb.heads_q, split_keys,
+                               num_splits, variant, call_args)
+        dest = _partials(io, pb, n_splits) if n_splits > 1 else (out, lse)
+        args = call_args(n_splits, dest, io.scratch((n_splits * pb.batch, pb.heads_q,
+                                                     q_tiles)))
         partial = n_splits > 1 or _unrounded(pb, float32_out)
         for careful in (False, True):  # the careful variant reads the all-true mask
-            if wgmma and not careful:
-                spec = WgmmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype, has_mask, partial,
-                                 full)
-                kernel, call_args = wgmma_kernel(spec), args[-1]
-            else:
-                spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype, has_mask, partial,
-                               careful, summed, full and not careful)
-                kernel, call_args = mma_kernel(spec), args[0]
-            launch(kernel, spec, (q_tiles, pb.batch * pb.heads_q, n_splits), 128,
-                   io.stream, *call_args, shared=spec.dynamic_shared_bytes)
+            spec, kernel, at = variant(careful, partial)
+            launch(kernel, spec, (q_tiles, pb.batch * pb.heads_q, n_splits), MMA_THREADS,
+                   io.stream, *args[at], shared=spec.dynamic_shared_bytes)
         if n_splits > 1:
             _merge(io, pb, dest, out, lse, n_splits, float32_out)
+
+
+MMA_THREADS = 128  # the tensor-core forwards' threads a block: 4 warps, or a warpgroup
+
+
+def _mma_variant(pb, has_mask, partial, careful, summed, full, wgmma):
+    """(spec, compiled kernel, which visible lists its arguments take: 0 the mma.sync
+    kernel's, -1 the wgmma kernel's) of mma_forward's fast (wgmma's where asked) or careful
+    variant."""
+    if wgmma and not careful:
+        spec = WgmmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype, has_mask, partial, full)
+        return spec, wgmma_kernel(spec), -1
+    spec = MmaSpec(pad_mma(pb.d), pad_mma(pb.dv), pb.dtype, has_mask, partial, careful,
+                   summed, full and not careful)
+    return spec, mma_kernel(spec), 0
+
+
+def _mma_splits(io, pb, blocks, split_keys, num_splits, variant, call_args):
+    """mma_forward's split count (_splits): where one could be chosen, from the blocks an SM
+    holds of the fast variant that writes partials (launch.resident_blocks, compiling it;
+    asked with arguments of the launch's types), else split_kv's default."""
+    resident = None
+    if num_splits is None and choose_splits(blocks, pb.n_k, split_keys, sm_count(),
+                                            MAX_RESIDENT) > 1:
+        spec, kernel, at = variant(False, True)
+        like = call_args(1, (io.scratch((1, 1, 1, 1), "float32"),
+                             io.scratch((1, 1, 1), "float32")), io.scratch((1, 1, 1)))
+        resident = resident_blocks(kernel, spec, MMA_THREADS, *like[at],
+                                   shared=spec.dynamic_shared_bytes)
+    return _splits(pb, blocks, split_keys, num_splits, resident)
+
+
+MAX_RESIDENT = 2048 // MMA_THREADS  # blocks an SM holds at most, by its threads
+

@@ -77,6 +77,36 @@ def launch(kernel, key, blocks, threads, stream, *args, shared=0):
     replay.launched(plan, args)
 
 
+def resident_blocks(kernel, key, threads, *args, shared=0):
+    """How many blocks of kernel, launched with `threads` threads, `shared` bytes of dynamic
+    shared memory and arguments like args (torch tensors too), an SM holds at once
+    (numba_internals.resident_blocks), compiling the variant first where it is new (its
+    seconds added to COMPILE_SECONDS[key]); None in the simulator, or where numba-cuda's
+    internals differ. Kept per kernel, threads and shared."""
+    if SIMULATOR:
+        return None
+    found = _RESIDENT.get((kernel, threads, shared))
+    if found is None:
+        devs = tuple(cuda.as_cuda_array(a) if hasattr(a, "data_ptr") else a for a in args)
+        versions = len(kernel.overloads)
+        t0 = time.perf_counter()
+        try:
+            with compiling(kernel):
+                found = numba_internals.resident_blocks(kernel, devs, threads, shared)
+        except numba_internals.InternalsChanged as e:
+            warnings.warn(f"numba_kernels: a kernel's occupancy cannot be read ({e}); "
+                          "split-KV takes its default blocks an SM", RuntimeWarning,
+                          stacklevel=2)
+            return None
+        if len(kernel.overloads) > versions:
+            COMPILE_SECONDS[key] = COMPILE_SECONDS.get(key, 0.0) + time.perf_counter() - t0
+        _RESIDENT[(kernel, threads, shared)] = found
+    return found
+
+
+_RESIDENT = {}  # (kernel, threads, shared) -> resident_blocks
+
+
 def _numba_launch(kernel, key, blocks, threads, stream, shared, args):
     versions = len(getattr(kernel, "overloads", ()))  # the simulator compiles nothing
     t0 = time.perf_counter()

@@ -17,6 +17,8 @@ The kernels are public Numba CUDA. Six things need more, and only this module re
    MAX_DYNAMIC_SHARED_SIZE_BYTES), which Numba never sets: `allow_dynamic_shared` compiles
    the version (kernel.compile, which reads the disk cache as a launch would) and sets it
    through cuda.bindings on the cuda.core Kernel's handle.
+   Split-KV asks how many blocks of a variant an SM holds (`resident_blocks`: the same
+   compile, then the public occupancy of the compiled version).
 2. The disk cache of compiled kernels (compile_cache.py). `cache_on_disk` gives a dispatcher
    numba.cuda.dispatcher.CUDACache (Numba's own, what cuda.jit(cache=True) uses) with two
    changes: its folder (it reads numba.cuda.core.config.CACHE_DIR when it is made) and its
@@ -340,6 +342,24 @@ def allow_dynamic_shared(kernel, args, nbytes):
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"the kernel cannot take {nbytes} bytes of dynamic shared memory "
                            f"on this device: {err!r}")
+
+
+def resident_blocks(kernel, args, threads, nbytes):
+    """How many blocks of `threads` threads, each taking `nbytes` of dynamic shared memory,
+    an SM holds at once of the version of dispatcher `kernel` for `args`: the driver's
+    occupancy (the public _Kernel.max_cooperative_grid_blocks, over the SMs), the version
+    compiled first if it is new and let take nbytes (allow_dynamic_shared). Raises
+    InternalsChanged where the internals differ."""
+    from numba import cuda
+
+    try:
+        compiled = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+    except (AttributeError, KeyError, TypeError) as e:
+        raise InternalsChanged(f"{type(e).__name__}: {e}") from e
+    if nbytes:
+        allow_dynamic_shared(kernel, args, nbytes)
+    return int(compiled.max_cooperative_grid_blocks(threads, nbytes)
+               // cuda.get_current_device().MULTIPROCESSOR_COUNT)
 
 
 def _data_slot(params, start, array):

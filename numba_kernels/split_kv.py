@@ -18,19 +18,22 @@ from numba import cuda
 from .common import NEG_INF, ZERO
 from .convert import int64, CONVERTERS
 
-FILL_BLOCKS_PER_SM = 4  # resident blocks an SM holds at the kernel's register use (PERF.md)
+FILL_BLOCKS_PER_SM = 4  # resident blocks an SM holds of the SIMT kernel at D = 128 (PERF.md)
 MIN_TILES_PER_SPLIT = 4  # key tiles a split walks at least: a split is worth a block
 
 
-def choose_splits(blocks, n_k, block_n, n_sm):
+def choose_splits(blocks, n_k, block_n, n_sm, resident=FILL_BLOCKS_PER_SM):
     """How many shares to cut each block's keys into (split_count's).
 
-    blocks: thread blocks without splitting. Splits only as far as the GPU holds all blocks
-    at once (FILL_BLOCKS_PER_SM a SM), so a launch that already fills more than half of that
-    is not split (it would pay the merge and gain no SM), and never below MIN_TILES_PER_SPLIT
-    key tiles of block_n a split of all Nk keys."""
+    blocks: thread blocks without splitting; resident: blocks of the split variant an SM
+    holds at once (launch.resident_blocks). Splits as far as one wave of resident blocks
+    holds them all, n_sm * resident, and no further: a launch of a wave and a part waits on
+    its last part, which leaves most SMs idle (PERF.md, decoding); a launch that already
+    fills more than half a wave is not
+    split (it would pay the merge and gain no SM), and a split of all Nk keys walks at least
+    MIN_TILES_PER_SPLIT key tiles of block_n."""
     key_tiles = -(-n_k // block_n)
-    want = n_sm * FILL_BLOCKS_PER_SM // blocks
+    want = n_sm * resident // blocks
     return split_count(n_k, block_n, max(1, min(want, key_tiles // MIN_TILES_PER_SPLIT)))
 
 

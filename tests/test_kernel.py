@@ -149,17 +149,20 @@ def test_split_kv(name, poisoned):
                                rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("blocks, n_k, want", [
-    (64, 32768, 8),  # decoding, 64 (b, h): 8 splits fill 132 SMs x 4 blocks
-    (64, 128, 2),  # 8 key tiles of 16: at least 4 tiles a split
-    (264, 8192, 2),  # half the resident blocks: two splits fill the GPU
-    (512, 1024, 1),  # 512 of 528 resident blocks: a split would only add the merge
-    (4096, 8192, 1),
+@pytest.mark.parametrize("blocks, n_k, resident, want", [
+    (64, 32768, 4, 8),  # decoding, 64 (b, h): 8 splits fill 132 SMs x 4 blocks
+    (64, 32768, 3, 6),  # 8 would be 1.3 waves of 3 blocks an SM: one wave of 6
+    (64, 32768, 2, 4),  # 2 an SM (the wgmma forward's shared memory at D = 128)
+    (64, 128, 4, 2),  # 8 key tiles of 16: at least 4 tiles a split
+    (264, 8192, 4, 2),  # half the resident blocks: two splits fill the GPU
+    (264, 8192, 2, 1),  # a wave already
+    (512, 1024, 4, 1),  # 512 of 528 resident blocks: a split would only add the merge
+    (4096, 8192, 4, 1),
 ])
-def test_choose_splits(blocks, n_k, want):
+def test_choose_splits_fills_one_wave_of_resident_blocks(blocks, n_k, resident, want):
     from numba_kernels.split_kv import choose_splits
 
-    assert choose_splits(blocks, n_k, 16, n_sm=132) == want
+    assert choose_splits(blocks, n_k, 16, n_sm=132, resident=resident) == want
 
 
 @pytest.mark.parametrize("first, last, n_splits, split_keys", [
