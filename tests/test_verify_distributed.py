@@ -150,3 +150,30 @@ def test_a_layout_of_ones_own_shards_the_cases_and_the_ring():
     assert "(last_first)" in report.implementation["name"]
     with pytest.raises(ValueError, match="shard layout must be one of"):
         layout_named("striped")
+
+
+def gathered_keys(q, k, v, *, layout, group, scale=None, return_lse=False, **options):
+    """Attention without a mask on the ranks' keys gathered whole (torch alone: a call takes
+    milliseconds), for calls whose time is short."""
+    import torch
+    import torch.distributed as dist
+
+    assert not any(options.get(n) for n in ("causal", "mask", "bias", "window")), options
+    size = dist.get_world_size(group)
+    keys, values = ([torch.empty_like(x) for _ in range(size)] for x in (k, v))
+    dist.all_gather(keys, k.contiguous(), group=group)  # shards of equal length here
+    dist.all_gather(values, v.contiguous(), group=group)
+    k, v = torch.cat(keys, dim=2).double(), torch.cat(values, dim=2).double()
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = scale * q.double() @ k.transpose(-1, -2)
+    out = (torch.softmax(s, dim=-1) @ v).to(q.dtype)
+    return (out, torch.logsumexp(s, dim=-1).float()) if return_lse else out
+
+
+def test_the_ranks_start_is_not_bounded_by_a_calls_time():
+    """A worker rank takes seconds to start (a process importing torch); a call's time of 2 s
+    bounds the calls, not the start."""
+    impl = Implementation("gathered keys", gathered_keys, RING, array="torch", timeout_s=2.0)
+    case = Case("start", B=1, Hq=2, Hk=2, Nq=8, Nk=8, D=8, Dv=8, dtype="float32")
+    report = verify.compare(impl, world_size=2, cases=[(case, 0)], progress=False)
+    assert report.passed, report

@@ -201,6 +201,9 @@ class Implementation:
     # (ours compile their kernel variants on every core); backward: gradients will be asked
     # for too; say(line) reports progress. pytest conformance calls it once a session.
     warm: object = None
+    # Optional: prepare() runs before each call, outside the call's time (a spread
+    # implementation starts its ranks there: a process importing torch takes seconds)
+    prepare: object = None
     # fn follows verify/distributed.py's per-rank protocol (called on every rank with its
     # shards): certified with world_size only
     per_rank: bool = False
@@ -225,14 +228,14 @@ class Implementation:
                 or not self.timeout_s > 0:
             raise ValueError(f"timeout must be a positive number of seconds, got "
                              f"{self.timeout_s!r}")
-        for name in ("grad", "warm", "costs"):
+        for name in ("grad", "warm", "costs", "prepare"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise TypeError(f"{name} must be callable or None, got "
                                 f"{type(getattr(self, name)).__name__}")
 
     def describe(self):
         d = asdict(self)
-        for name in ("fn", "costs", "grad", "warm"):
+        for name in ("fn", "costs", "grad", "warm", "prepare"):
             d.pop(name)
         return d
 

@@ -92,8 +92,15 @@ def _to_jax(x):
 
 def call(impl, args, kwargs, run=None):
     """impl.fn(*args, **kwargs), or run() when given, in a thread, so that a hang becomes a
-    failure and whatever it raises a failed case."""
+    failure and whatever it raises a failed case; impl.prepare() first, outside the call's
+    time."""
     box = {}
+    if impl.prepare is not None:
+        try:
+            impl.prepare()
+        except Exception as e:  # noqa: BLE001 - as the call's own error
+            raise Fail(f"raised {type(e).__name__} before the call: "
+                       f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
     def target():
         try:

@@ -8,16 +8,17 @@ and returns out for the rank's rows (and lse with return_lse=True). Its gradient
 is differentiable by torch's autograd, each rank differentiates its own call against its rows
 of dout (the ranks' backward passes run together, as their forwards did); or a per-rank
 grad(q, k, v, dout, *, layout, group, **options) -> (dq, dk, dv) of the rank's shards.
-`group` holds every rank and is the implementation's own: verify's messages go on another,
-so a rank that raises mid-call leaves the others waiting on the implementation's calls only;
-they give up after a quarter of the call's time, every rank's error is reported, and the
+`group` holds every rank and is the implementation's own: verify's messages go on groups of
+its own, so a rank that raises mid-call leaves the others waiting on the implementation's
+calls only; they give up after a quarter of the call's time, every rank's error is reported, and the
 ranks are started anew for the next call.
 
 `spread(impl, world_size, layout)` makes it an ordinary Implementation: this process is rank
 0 of a group of world_size (gloo on CPU processes, NCCL on one GPU a rank), the others are
-worker processes started (spawned: a script needs `if __name__ == "__main__":`) at the
-first call and kept for every spread implementation of the same size, device and timeout
-(each message says what to run and how to shard). Each call sends the case's whole inputs to every
+worker processes started (spawned: a script needs `if __name__ == "__main__":`) before the
+first call, outside its time (they have START_TIMEOUT_S to meet), and kept for every spread
+implementation of the same size, device and timeout (each message says what to run and how
+to shard). Each call sends the case's whole inputs to every
 rank, each rank calls the implementation on its shards, and rank 0 puts the rows back in
 place (dq by the rows of q, dk and dv by the rows of k): verify then judges the whole by its
 one rule, per (batch, head), with every check it makes of any kernel. A failure's detail
@@ -67,7 +68,7 @@ def spread(impl, world_size, layout="contiguous", grad=None):
         world.call, impl.supports,
         array="torch", device=impl.device, layout=impl.layout, version=impl.version,
         timeout_s=impl.timeout_s, precision=impl.precision, differentiable=False,
-        grad=world.grad if has_grad else None)
+        grad=world.grad if has_grad else None, prepare=world.start)
 
 
 def layout_named(spec):
@@ -122,6 +123,11 @@ class _World:
         self.size, self.layout, self.impl, self.device = size, layout, impl, device
         self.grad_spec, self.timeout_s = grad, timeout_s
 
+    def start(self):
+        """The ranks running, started where they are not (before a call, outside its time:
+        Implementation.prepare)."""
+        _ranks(self)
+
     def call(self, q, k, v, **options):
         """out (and lse) of the whole problem, from every rank's rows."""
         got = _exchange(self, _message(self, q, k, v, None, options))
@@ -134,20 +140,15 @@ class _World:
 
 
 class _Ranks:
-    """This process as rank 0 of a group of `size`, the workers started (spawned) at the
+    """This process as rank 0 of a group of `size`, the workers started (spawned) before the
     first call and stopped at exit, or when ranks of another size, device or timeout are
     needed (a process is in one group at a time)."""
 
     def __init__(self, size, device, timeout_s):
-        self.size, self.device = size, device
-        # a rank waits at most a quarter of a call's time for another in the implementation's
-        # calls (one that raised stops in mid-call), half of it in verify's: the errors, not a
-        # hang, come back within the call's time
-        self.timeout_s = timeout_s
-        self.workers, self.group_ready, self.me = [], False, None
+        self.size, self.device, self.timeout_s = size, device, timeout_s  # _join's
+        self.workers, self.group_ready, self.me, self.verify = [], False, None, None
 
     def start(self):
-        import torch.distributed as dist
         import torch.multiprocessing as mp
 
         init = f"file://{tempfile.mkdtemp(prefix='verify-world-')}/init"
@@ -157,18 +158,20 @@ class _Ranks:
                 rank, self.size, init, self.device, self.timeout_s))
             worker.start()
             self.workers.append(worker)
-        dist.init_process_group(_backend(self.device), init_method=init, rank=0,
-                                world_size=self.size, timeout=_seconds(self.timeout_s / 2))
+        try:
+            self.verify, group = _join(0, self.size, init, self.device, self.timeout_s)
+        except Exception:
+            self.abort()  # the workers too: a start that failed leaves nothing behind
+            raise
         self.group_ready = True
-        self.me = _Rank(_own_group(self.device, self.timeout_s / 4), 0, self.size,
-                        self.device)
+        self.me = _Rank(group, 0, self.size, self.device)
         atexit.register(self.stop)
 
     def stop(self):
         import torch.distributed as dist
 
         if self.group_ready:
-            dist.broadcast_object_list([None], src=0)
+            dist.broadcast_object_list([None], src=0, group=self.verify.calls)
             for worker in self.workers:
                 worker.join(timeout=30)
             dist.destroy_process_group()
@@ -183,7 +186,7 @@ class _Ranks:
         for worker in self.workers:
             worker.kill()
             worker.join(timeout=30)
-        if self.group_ready:
+        if dist.is_initialized():
             dist.destroy_process_group()
         self.group_ready, self.workers = False, []
         _ACTIVE.pop(self.key, None)
@@ -233,10 +236,10 @@ def _exchange(world, message):
     import torch.distributed as dist
 
     ranks = _ranks(world)
-    dist.broadcast_object_list([message], src=0)
+    dist.broadcast_object_list([message], src=0, group=ranks.verify.calls)
     mine = _rank_result(ranks.me, message)
     every = [None] * world.size
-    dist.gather_object(mine, every, dst=0)
+    dist.gather_object(mine, every, dst=0, group=ranks.verify.results)
     errors = [f"rank {r}: {x}" for r, x in enumerate(every) if isinstance(x, str)]
     if errors:
         ranks.abort()
@@ -254,12 +257,28 @@ def _fns(impl, grad):
     return impl.fn, grad or impl.grad or torch_grad(impl.fn)
 
 
-def _own_group(device, timeout_s):
-    """The implementation's group: every rank, apart from the world's (every rank makes it
-    at its start, in the same order)."""
+START_TIMEOUT_S = 600  # the ranks' start: spawning, importing torch, meeting (a busy host)
+IDLE_TIMEOUT_S = 7 * 24 * 3600  # a worker waits this long for the next call
+# verify's groups: the calls go out on one (a worker waits for the next as long as it
+# takes), the results come back on another (half a call's time)
+_VerifyGroups = namedtuple("_VerifyGroups", "calls results")
+
+
+def _join(rank, size, init, device, timeout_s):
+    """This process as `rank` of the world at `init`: (verify's groups, the implementation's
+    group), every rank making them in the same order. The world waits START_TIMEOUT_S for
+    every rank to come, apart from any call's time; a rank waits half a call's time for the
+    others' results, and a quarter in the implementation's calls (one that raised stops in
+    mid-call): the errors, not a hang, come back within the call's time."""
     import torch.distributed as dist
 
-    return dist.new_group(backend=_backend(device), timeout=_seconds(timeout_s))
+    backend = _backend(device)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=size,
+                            timeout=_seconds(START_TIMEOUT_S))
+    calls = dist.new_group(backend=backend, timeout=_seconds(IDLE_TIMEOUT_S))
+    results = dist.new_group(backend=backend, timeout=_seconds(timeout_s / 2))
+    return (_VerifyGroups(calls, results),
+            dist.new_group(backend=backend, timeout=_seconds(timeout_s / 4)))
 
 
 def _rank_result(me, message):
@@ -307,14 +326,13 @@ def _worker(rank, size, init, device, timeout_s):
     if device == "cuda":
         torch.cuda.set_device(rank)
     torch.set_num_threads(1)  # the ranks share the host's cores
-    dist.init_process_group(_backend(device), init_method=init, rank=rank, world_size=size,
-                            timeout=_seconds(timeout_s / 2))
-    me = _Rank(_own_group(device, timeout_s / 4), rank, size, device)
+    groups, group = _join(rank, size, init, device, timeout_s)
+    me = _Rank(group, rank, size, device)
     while True:
         box = [None]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=groups.calls)
         if box[0] is None:
             break
-        dist.gather_object(_rank_result(me, box[0]), None, dst=0)
+        dist.gather_object(_rank_result(me, box[0]), None, dst=0, group=groups.results)
     dist.destroy_process_group()
     os._exit(0)
