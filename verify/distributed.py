@@ -186,7 +186,7 @@ class _Ranks:
         for worker in self.workers:
             worker.kill()
             worker.join(timeout=30)
-        if dist.is_initialized():
+        if self.group_ready:
             dist.destroy_process_group()
         self.group_ready, self.workers = False, []
         _ACTIVE.pop(self.key, None)
@@ -275,10 +275,14 @@ def _join(rank, size, init, device, timeout_s):
     backend = _backend(device)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=size,
                             timeout=_seconds(START_TIMEOUT_S))
-    calls = dist.new_group(backend=backend, timeout=_seconds(IDLE_TIMEOUT_S))
-    results = dist.new_group(backend=backend, timeout=_seconds(timeout_s / 2))
-    return (_VerifyGroups(calls, results),
-            dist.new_group(backend=backend, timeout=_seconds(timeout_s / 4)))
+    try:
+        calls = dist.new_group(backend=backend, timeout=_seconds(IDLE_TIMEOUT_S))
+        results = dist.new_group(backend=backend, timeout=_seconds(timeout_s / 2))
+        return (_VerifyGroups(calls, results),
+                dist.new_group(backend=backend, timeout=_seconds(timeout_s / 4)))
+    except Exception:
+        dist.destroy_process_group()  # the world this call made, and nothing else
+        raise
 
 
 def _rank_result(me, message):
