@@ -99,8 +99,7 @@ def call(impl, args, kwargs, run=None):
         try:
             impl.prepare()
         except Exception as e:  # noqa: BLE001 - as the call's own error
-            raise Fail(f"raised {type(e).__name__} before the call: "
-                       f"{str(e).splitlines()[0] if str(e) else ''}") from None
+            raise Fail(f"before the call, {_raised(e)}") from None
 
     def target():
         try:
@@ -116,9 +115,13 @@ def call(impl, args, kwargs, run=None):
     if thread.is_alive():
         raise Fail(f"{HUNG} {impl.timeout_s:g} s (hang?); the call was abandoned")
     if "error" in box:
-        e = box["error"]
-        raise Fail(f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise Fail(_raised(box["error"]))
     return box["result"]
+
+
+def _raised(e):
+    """A failure's words for an exception: its type and its message's first line."""
+    return f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
 HUNG = "no result after"

@@ -10,18 +10,17 @@ of dout (the ranks' backward passes run together, as their forwards did); or a p
 grad(q, k, v, dout, *, layout, group, **options) -> (dq, dk, dv) of the rank's shards.
 `group` holds every rank and is the implementation's own: verify's messages go on groups of
 its own, so a rank that raises mid-call leaves the others waiting on the implementation's
-calls only; they give up after a quarter of the call's time, every rank's error is reported, and the
-ranks are started anew for the next call.
+calls only; they give up after a quarter of the call's time, every rank's error is
+reported, and the ranks are started anew for the next call.
 
 `spread(impl, world_size, layout)` makes it an ordinary Implementation: this process is rank
 0 of a group of world_size (gloo on CPU processes, NCCL on one GPU a rank), the others are
 worker processes started (spawned: a script needs `if __name__ == "__main__":`) before the
 first call, outside its time (they have START_TIMEOUT_S to meet), and kept for every spread
 implementation of the same size, device and timeout (each message says what to run and how
-to shard). Each call sends the case's whole inputs to every
-rank, each rank calls the implementation on its shards, and rank 0 puts the rows back in
-place (dq by the rows of q, dk and dv by the rows of k): verify then judges the whole by its
-one rule, per (batch, head), with every check it makes of any kernel. A failure's detail
+to shard). Each call sends the case's whole inputs to every rank, each rank calls the
+implementation on its shards, and rank 0 puts the rows back in place (dq by the rows of q,
+dk and dv by the rows of k): verify then judges the whole by its one rule, per (batch, head), with every check it makes of any kernel. A failure's detail
 names the ranks whose rows fail (`rows_by_rank`).
 """
 import atexit
@@ -258,7 +257,9 @@ def _fns(impl, grad):
 
 
 START_TIMEOUT_S = 600  # the ranks' start: spawning, importing torch, meeting (a busy host)
-IDLE_TIMEOUT_S = 7 * 24 * 3600  # a worker waits this long for the next call
+# a worker waits this long for the next call (where rank 0 dies, its sockets close and the
+# wait ends with an error at once)
+IDLE_TIMEOUT_S = 7 * 24 * 3600
 # verify's groups: the calls go out on one (a worker waits for the next as long as it
 # takes), the results come back on another (half a call's time)
 _VerifyGroups = namedtuple("_VerifyGroups", "calls results")
