@@ -1,6 +1,6 @@
 """Every use of numba-cuda's private internals, behind this one module.
 
-The kernels are public Numba CUDA. Six things need more, and only this module reaches in:
+The kernels are public Numba CUDA. Seven things need more, and only this module reaches in:
 
 1. The fast launch (launch.py). For each compiled kernel version (numba.cuda.dispatcher._Kernel)
    it uses
@@ -33,7 +33,9 @@ The kernels are public Numba CUDA. Six things need more, and only this module re
    with no lock. A thread switch between the two gives two threads two different "shared"
    arrays, and the block then computes wrong rows (seen once in a full test run: 95 of 1024
    outputs wrong, right on the repeat). `_lock_simulator_shared_arrays` (at import, in the
-   simulator) puts the lookup and the store under one lock. It also gives a dynamic shared
+   simulator) puts the lookup and the store under one lock, and reads the same key (the
+   calling line: file, line number) from the caller's frame, not by
+   traceback.extract_stack, which also stats the file each call. It also gives a dynamic shared
    array (shape 0) of a NumPy scalar type, np.float32 (what convert.float32 is in the
    simulator), as np.dtype: the simulator divides its size by dtype.itemsize, which only a
    dtype has.
@@ -41,18 +43,29 @@ The kernels are public Numba CUDA. Six things need more, and only this module re
    numba.cuda.simulator.kernelapi's `np.empty`, whatever memory held before; `poisoned_memory()`
    fills them with NaN (integers: -12345) instead, so that a kernel reading an element it
    never wrote gives a wrong answer every time, not only when the memory happens to hold one.
-6. The simulator's barriers. numba.cuda.simulator.kernel.BlockManager.run runs a block's
+6. The simulator's blocks. numba.cuda.simulator.kernel.BlockManager.run runs a block's
    threads (BlockThread, one Python thread each) and polls them in a loop, holding the
    interpreter, until every live one waits in syncthreads; only then does it let them go.
    The threads still running share the interpreter with that loop, which at the end of each
    barrier is most of its time. `_event_driven_simulator_blocks` (at import, in the
    simulator) replaces BlockManager.run and BlockThread.syncthreads: the last thread to
-   arrive (or to exit: an exited thread no longer counts, as before) lets the others go, and
-   the launching thread only waits for the block to end. The same semantics, including an
-   exception in one thread, which aborts the others at their next barrier and is raised by
-   the launch. Measured on a 2-core CPU: the SIMT kernel's verify cases 45 -> 27 s, two mma
-   cases 12.3 -> 4.8 s (with Python's default switch interval, 5 ms; the polling loop had
-   needed 0.5 ms).
+   arrive (or to exit: an exited thread no longer counts, as before) lets the others go,
+   each waiting on a lock of its own, and the launching thread only waits for the block to
+   end. The same semantics, including an exception in one thread, which aborts the others
+   at their next barrier and is raised by the launch. It also hands the kernel its array
+   arguments as the NumPy arrays they wrap (`_unwrapped`: the simulator's two wrapper
+   classes cost two Python calls an element read). Measured on a 2-core CPU: the SIMT
+   kernel's verify cases 45 -> 27 s with the event-driven barrier, then 26.5 -> 21.5 s
+   with locks of their own and the arrays unwrapped (the plain kernel's quick suite, 29 ->
+   21.5 s in all with item 4's frame lookup).
+7. The simulator's device functions. A device function called in a simulated kernel swaps
+   the `cuda` of its module's globals for the launch's fake module around every call
+   (kernelapi.swapped_cuda_module: an import, two locks, a generator context manager),
+   a fifth of an mma kernel's time in the simulator. `_device_calls_swap_once` (at import,
+   in the simulator) makes the first swap of a module in a launch hold until the launch
+   ends (kernel._push_kernel_context's exit), the later calls there costing one dict
+   lookup. A module is swapped for the whole launch, as the kernel's own module already
+   was; the simulator runs one launch at a time.
 
 TESTED_WITH names the numba-cuda versions these were tested against; pyproject.toml pins the
 same range. At import, PROBLEM is None when the internals look as expected, or says what
@@ -154,8 +167,6 @@ def _lock_simulator_shared_arrays():
                                "what _lock_simulator_shared_arrays wraps")
     if getattr(array, "locked", False):
         return
-    import traceback
-
     from numba.np import numpy_support
 
     lock = threading.Lock()
@@ -165,8 +176,10 @@ def _lock_simulator_shared_arrays():
             if isinstance(dtype, type) and issubclass(dtype, kernelapi.np.generic):
                 dtype = kernelapi.np.dtype(dtype)  # it divides by dtype.itemsize
             return array(self, shape, dtype, alignment)
-        # The same key as the original: the calling line (file, line number).
-        caller = tuple(traceback.extract_stack(sys._getframe(1), limit=1)[0])[0:2]
+        # The same key as the original, the calling line (file, line number), read from the
+        # frame: traceback.extract_stack also reads the file's line (a stat a call)
+        frame = sys._getframe(1)
+        caller = (frame.f_code.co_filename, frame.f_lineno)
         if isinstance(dtype, types.Type):
             dtype = numpy_support.as_dtype(dtype)
         with lock:
@@ -180,48 +193,71 @@ def _lock_simulator_shared_arrays():
 
 
 class _BlockBarrier:
-    """syncthreads for one simulated block (item 6): `alive` threads not yet exited,
-    `arrived` of them waiting; a `generation` ends each time all of them have arrived.
-    `failed`: the thread whose exception aborts the block."""
+    """syncthreads for one simulated block (item 6): `alive` threads not yet exited, the
+    `waiting` ones each on a lock of its own, released together when the last arrives (a
+    threading.Condition would wake them all onto its one lock, one by one); `failed`: the
+    thread whose exception aborts the block; `ended`: set when every thread has exited or
+    one has failed."""
 
     def __init__(self, threads):
-        self.cond = threading.Condition()
-        self.alive, self.arrived, self.generation, self.failed = threads, 0, 0, None
+        self.lock, self.ended = threading.Lock(), threading.Event()
+        self.alive, self.waiting, self.failed = threads, [], None
 
     def _release(self):
-        self.arrived = 0
-        self.generation += 1
-        self.cond.notify_all()
+        """(with self.lock held)"""
+        for waiter in self.waiting:
+            waiter.release()
+        self.waiting = []
 
     def wait(self):
-        with self.cond:
-            generation = self.generation
+        waiter = None
+        with self.lock:
             if self.failed is None:
-                self.arrived += 1
-                if self.arrived == self.alive:
+                if len(self.waiting) + 1 == self.alive:
                     self._release()
                     return
-            while self.generation == generation and self.failed is None:
-                self.cond.wait()
-            if self.failed is not None:
-                raise RuntimeError("abort flag set on syncthreads: another thread raised")
+                waiter = threading.Lock()
+                waiter.acquire()
+                self.waiting.append(waiter)
+        if waiter is not None:
+            waiter.acquire()
+        if self.failed is not None:
+            raise RuntimeError("abort flag set on syncthreads: another thread raised")
 
     def leave(self, failed):
         """A thread exits (failed: it raised); the block's end wakes the launching thread."""
-        with self.cond:
+        with self.lock:
             self.alive -= 1
             if failed is not None and self.failed is None:
                 self.failed = failed
-                self.cond.notify_all()
-            elif self.alive == 0 or (self.arrived and self.arrived == self.alive):
+                self._release()
+                self.ended.set()
+            elif self.alive == 0:
+                self.ended.set()
+            elif self.waiting and len(self.waiting) == self.alive:
                 self._release()
 
     def join(self):
         """Wait until every thread has exited or one has raised; returns the one that raised."""
-        with self.cond:
-            while self.alive and self.failed is None:
-                self.cond.wait()
-            return self.failed
+        self.ended.wait()
+        return self.failed
+
+
+def _unwrapped(arg):
+    """A kernel's array argument as the NumPy array that the simulator's two wrappers hold
+    (item 6): FakeWithinKernelCUDAArray around FakeCUDAArray around it. Records, and
+    anything else, as they came."""
+    import numpy as np
+    from numba.cuda.simulator.cudadrv.devicearray import (FakeCUDAArray,
+                                                          FakeWithinKernelCUDAArray)
+
+    if type(arg) is not FakeWithinKernelCUDAArray:
+        return arg
+    item = arg.__dict__["_item"]
+    if type(item) is FakeCUDAArray and type(item._ary) is np.ndarray \
+            and item._ary.dtype.fields is None:
+        return item._ary
+    return arg
 
 
 def _event_driven_simulator_blocks():
@@ -242,9 +278,18 @@ def _event_driven_simulator_blocks():
         raise InternalsChanged("numba.cuda.simulator.kernel's BlockManager.run and "
                                "BlockThread.syncthreads are not what "
                                "_event_driven_simulator_blocks replaces")
+    from numba.cuda.simulator.cudadrv import devicearray
+
+    wrapper = getattr(devicearray, "FakeWithinKernelCUDAArray", None)
+    if wrapper is None or not hasattr(devicearray, "FakeCUDAArray") \
+            or 'self.__dict__["_item"] = item' not in inspect.getsource(wrapper.__init__) \
+            or "self._ary = ary" not in inspect.getsource(devicearray.FakeCUDAArray.__init__):
+        raise InternalsChanged("numba.cuda.simulator's FakeWithinKernelCUDAArray and "
+                               "FakeCUDAArray are not the wrappers _unwrapped takes off")
 
     def run_block(self, grid_point, *args):
         barrier = _BlockBarrier(int(np.prod(self._block_dim)))
+        args = tuple(_unwrapped(arg) for arg in args)
 
         def target():
             raised = threading.current_thread()
@@ -271,6 +316,55 @@ def _event_driven_simulator_blocks():
     manager.run, thread.syncthreads = run_block, syncthreads
 
 
+def _device_calls_swap_once():
+    """kernel.swapped_cuda_module and kernel._push_kernel_context wrapped (item 7 of the
+    module docstring). Raises InternalsChanged if they are not what this wraps."""
+    from contextlib import contextmanager, nullcontext
+
+    from numba.cuda.simulator import kernel as sim
+    from numba.cuda.simulator import kernelapi
+
+    swap, push = getattr(sim, "swapped_cuda_module", None), getattr(sim, "_push_kernel_context",
+                                                                     None)
+    if getattr(swap, "held", False):
+        return
+    source = inspect.getsource(sim.FakeCUDAKernel.__call__)
+    if (swap is not getattr(kernelapi, "swapped_cuda_module", None) or push is None
+            or "swapped_cuda_module(self.fn, _get_kernel_context())" not in source
+            or "_push_kernel_context(fake_cuda_module)" not in source):
+        raise InternalsChanged("numba.cuda.simulator.kernel's swapped_cuda_module and "
+                               "_push_kernel_context are not what _device_calls_swap_once "
+                               "wraps")
+    held, exits, lock, done = {}, [], threading.Lock(), nullcontext()
+
+    def swapped_for_the_launch(fn, fake_cuda_module):
+        if fake_cuda_module is None:  # a device function called from the host
+            return swap(fn, fake_cuda_module)
+        key = id(fn.__globals__)
+        if held.get(key) is not fake_cuda_module:
+            with lock:
+                if held.get(key) is not fake_cuda_module:
+                    swapped = swap(fn, fake_cuda_module)
+                    swapped.__enter__()
+                    exits.append(swapped)
+                    held[key] = fake_cuda_module
+        return done
+
+    @contextmanager
+    def launch_context(mod):
+        with push(mod):
+            try:
+                yield
+            finally:
+                with lock:
+                    while exits:
+                        exits.pop().__exit__(None, None, None)
+                    held.clear()
+
+    swapped_for_the_launch.held = True
+    sim.swapped_cuda_module, sim._push_kernel_context = swapped_for_the_launch, launch_context
+
+
 def _in_simulator():
     from .convert import SIMULATOR
 
@@ -280,6 +374,7 @@ def _in_simulator():
 if _in_simulator():
     _lock_simulator_shared_arrays()
     _event_driven_simulator_blocks()
+    _device_calls_swap_once()
 
 PROBLEM = _check()
 if PROBLEM is None and numba_cuda_version() not in TESTED_WITH:

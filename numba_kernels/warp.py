@@ -47,8 +47,8 @@ MEETING_TIMEOUT_S = 120  # a lane that never arrives (a divergent warp) ends in 
 # The layouts, as NumPy: (32, r) registers by lane <-> the matrices. The simulator's
 # instructions are built on them and the tests check them against the table above.
 
-def a_registers(A):
-    """A (16, 16) 16-bit values -> (32, 4) pairs: a0..a3 of each lane (pair = 2 values)."""
+def _a_layout(A):
+    """a_registers as the table above draws it, lane by lane."""
     out = np.empty((LANES, 4, 2), A.dtype)
     for lane in range(LANES):
         g, t = divmod(lane, 4)
@@ -57,8 +57,8 @@ def a_registers(A):
     return out
 
 
-def b_registers(B):
-    """B (16, 8) -> (32, 2) pairs: b0, b1 of each lane."""
+def _b_layout(B):
+    """b_registers as the table above draws it, lane by lane."""
     out = np.empty((LANES, 2, 2), B.dtype)
     for lane in range(LANES):
         g, t = divmod(lane, 4)
@@ -66,8 +66,8 @@ def b_registers(B):
     return out
 
 
-def c_registers(C):
-    """C (16, 8) float32 -> (32, 4): c0..c3 of each lane."""
+def _c_layout(C):
+    """c_registers as the table above draws it, lane by lane."""
     out = np.empty((LANES, 4), C.dtype)
     for lane in range(LANES):
         g, t = divmod(lane, 4)
@@ -75,43 +75,67 @@ def c_registers(C):
     return out
 
 
+# Where each register's value sits in its matrix (row-major flat index), from the layouts
+# above: the conversions below are one gather or scatter each.
+A_INDEX = _a_layout(np.arange(16 * 16).reshape(16, 16))
+B_INDEX = _b_layout(np.arange(16 * 8).reshape(16, 8))
+C_INDEX = _c_layout(np.arange(16 * 8).reshape(16, 8))
+
+
+def a_registers(A):
+    """A (16, 16) 16-bit values -> (32, 4) pairs: a0..a3 of each lane (pair = 2 values)."""
+    return np.asarray(A).reshape(16 * 16)[A_INDEX]
+
+
+def b_registers(B):
+    """B (16, 8) -> (32, 2) pairs: b0, b1 of each lane."""
+    return np.asarray(B).reshape(16 * 8)[B_INDEX]
+
+
+def c_registers(C):
+    """C (16, 8) float32 -> (32, 4): c0..c3 of each lane."""
+    return np.asarray(C).reshape(16 * 8)[C_INDEX]
+
+
+def _scattered(values, index, shape):
+    out = np.empty(shape[0] * shape[1], values.dtype)
+    out[index] = values
+    return out.reshape(shape)
+
+
 def c_matrix(regs):
     """The inverse of c_registers: (32, 4) -> C (16, 8)."""
-    C = np.empty((16, 8), regs.dtype)
-    for lane in range(LANES):
-        g, t = divmod(lane, 4)
-        C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1] = regs[lane]
-    return C
+    return _scattered(np.asarray(regs), C_INDEX, (16, 8))
 
 
 def a_matrix(pairs):
     """The inverse of a_registers: (32, 4, 2) -> A (16, 16)."""
-    A = np.empty((16, 16), pairs.dtype)
-    for lane in range(LANES):
-        g, t = divmod(lane, 4)
-        A[g, 2 * t:2 * t + 2], A[g + 8, 2 * t:2 * t + 2], A[g, 2 * t + 8:2 * t + 10], \
-            A[g + 8, 2 * t + 8:2 * t + 10] = pairs[lane]
-    return A
+    return _scattered(np.asarray(pairs), A_INDEX, (16, 16))
 
 
 def b_matrix(pairs):
     """The inverse of b_registers: (32, 2, 2) -> B (16, 8)."""
-    B = np.empty((16, 8), pairs.dtype)
-    for lane in range(LANES):
-        g, t = divmod(lane, 4)
-        B[2 * t:2 * t + 2, g], B[2 * t + 8:2 * t + 10, g] = pairs[lane]
-    return B
+    return _scattered(np.asarray(pairs), B_INDEX, (16, 8))
 
 
-def ldmatrix_rows(rows, trans):
-    """What ldmatrix.x4 gives each lane: rows (4, 8, 8) 16-bit values, matrix m's row r at
-    rows[m, r] (the row lane 8m + r pointed at) -> (32, 4, 2) pairs."""
+def _ldmatrix_layout(rows, trans):
+    """ldmatrix_rows lane by lane."""
     out = np.empty((LANES, 4, 2), rows.dtype)
     for lane in range(LANES):
         g, t = divmod(lane, 4)
         for m in range(4):
             out[lane, m] = rows[m, 2 * t:2 * t + 2, g] if trans else rows[m, g, 2 * t:2 * t + 2]
     return out
+
+
+LDMATRIX_INDEX = {trans: _ldmatrix_layout(np.arange(4 * 8 * 8).reshape(4, 8, 8), trans)
+                  for trans in (False, True)}
+
+
+def ldmatrix_rows(rows, trans):
+    """What ldmatrix.x4 gives each lane: rows (4, 8, 8) 16-bit values, matrix m's row r at
+    rows[m, r] (the row lane 8m + r pointed at) -> (32, 4, 2) pairs."""
+    return np.asarray(rows).reshape(4 * 8 * 8)[LDMATRIX_INDEX[bool(trans)]]
 
 
 # 16-bit values <-> 32-bit registers (two values, the lower index in the low half).
@@ -130,15 +154,18 @@ def value_bits(x, dtype):
 
 
 def bits_value(bits, dtype):
-    """A 16-bit pattern of `dtype` as float64 (exact)."""
+    """A 16-bit pattern of `dtype` (an int, or an array of them) as float64 (exact)."""
+    halves = (np.asarray(bits, np.int64) & 0xFFFF).astype(np.uint16)
     if dtype == "float16":
-        return float(np.uint16(bits).view(np.float16))
-    return float(np.uint32((int(bits) & 0xFFFF) << 16).view(np.float32))
+        values = halves.view(np.float16).astype(np.float64)
+    else:
+        values = (halves.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return values if values.ndim else float(values)
 
 
 def unpack(regs, dtype):
     """32-bit registers (any shape) -> their values (shape + (2,), low half first), float64."""
-    halves = np.asarray(regs, np.uint64).astype(np.uint32).view(np.uint16).reshape(
+    halves = np.array(regs, np.uint32).view(np.uint16).reshape(
         np.shape(regs) + (2,))
     if dtype == "float16":
         return halves.view(np.float16).astype(np.float64)
@@ -159,34 +186,75 @@ def mma_reference(a, b, c, dtype):
 
 
 if SIMULATOR:
-    _meetings, _meetings_lock = {}, threading.Lock()
+    import weakref
+
+    # a launch's meetings, by its fake cuda module: a launch that raised may leave lanes
+    # waiting in a meeting (till MEETING_TIMEOUT_S), which the next launch must not join
+    _meetings, _meetings_lock = weakref.WeakKeyDictionary(), threading.Lock()
     _pending = threading.local()  # a thread's asynchronous copies not yet landed
 
     class _Meeting:
         """Where the lanes of one simulated warp exchange values: each puts its own in and
-        waits for all; the last to arrive computes the result before any lane goes on (the
-        barrier's action). One wait a meeting suffices: a lane that goes on to the next
-        meeting may overwrite its value, but the result is replaced only when every lane,
-        each having read this one, has arrived there."""
+        waits for all; the last to arrive computes the result before any lane goes on. One
+        wait a meeting suffices: a lane that goes on to the next meeting may overwrite its
+        value, but the result is replaced only when every lane, each having read this one,
+        has arrived there. A lane waits on a lock of its own that the last one releases (a
+        threading.Barrier wakes every lane onto one lock, three times slower here). A lane
+        that waits MEETING_TIMEOUT_S, or a combine that raises, breaks the meeting: every
+        lane waiting there, or arriving later, raises threading.BrokenBarrierError."""
 
         def __init__(self, lanes):
             self.values, self.combine, self.result = [None] * lanes, None, None
-            self.barrier = threading.Barrier(lanes, action=self._combine,
-                                             timeout=MEETING_TIMEOUT_S)
+            self.lock, self.waiting, self.broken = threading.Lock(), [], False
 
-        def _combine(self):
-            self.result = self.combine(self.values)
+        def _break(self):
+            """(with self.lock held)"""
+            self.broken = True
+            for waiter in self.waiting:
+                waiter.release()
+            self.waiting = []
 
-    def _meet(key, lanes, lane, value, combine):
+        def wait(self):
+            with self.lock:
+                if self.broken:
+                    raise threading.BrokenBarrierError
+                if len(self.waiting) == len(self.values) - 1:
+                    try:
+                        self.result = self.combine(self.values)
+                    except BaseException:
+                        self._break()
+                        raise
+                    for waiter in self.waiting:
+                        waiter.release()
+                    self.waiting = []
+                    return
+                waiter = threading.Lock()
+                waiter.acquire()
+                self.waiting.append(waiter)
+            if not waiter.acquire(timeout=MEETING_TIMEOUT_S):
+                with self.lock:
+                    if waiter in self.waiting:  # not released since: this lane times out
+                        self._break()
+                        raise threading.BrokenBarrierError
+            if self.broken:
+                raise threading.BrokenBarrierError
+
+    def _meet(launch, key, lanes, lane, value, combine):
         """Every lane's value -> combine(values), computed once (by one lane) for all."""
         with _meetings_lock:
-            meeting = _meetings.get(key)
-            if meeting is None or meeting.barrier.broken or len(meeting.values) != lanes:
-                meeting = _meetings[key] = _Meeting(lanes)
+            meetings = _meetings.setdefault(launch, {})
+            meeting = meetings.get(key)
+            if meeting is None or meeting.broken or len(meeting.values) != lanes:
+                meeting = meetings[key] = _Meeting(lanes)
         meeting.values[lane] = value
         meeting.combine = combine  # (every lane's is the same operation)
-        meeting.barrier.wait()
+        meeting.wait()
         return meeting.result
+
+    def lane_values(value):
+        """Every lane's value, lane by lane (the warp meets once): how the simulator's
+        warp-wide instructions elsewhere (warpgroup.py) gather their operands."""
+        return _warp_values(value)[1]
 
     @device_function
     def _warp_values(value, combine=list):
@@ -194,8 +262,8 @@ if SIMULATOR:
         tid, threads = cuda.threadIdx.x, cuda.blockDim.x
         warp = tid // LANES
         key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, warp)
-        return tid % LANES, _meet(key, min(LANES, threads - warp * LANES), tid % LANES, value,
-                                  combine)
+        return tid % LANES, _meet(cuda, key, min(LANES, threads - warp * LANES), tid % LANES,
+                                  value, combine)  # (cuda: the launch's fake module)
 
     def _mma(dtype, a, b, c):
         def combine(regs):
@@ -203,7 +271,7 @@ if SIMULATOR:
                                  [r[2] for r in regs], dtype)
 
         lane, d = _warp_values((a, b, c), combine)
-        return tuple(float32(x) for x in d[lane])
+        return tuple(d[lane])  # float32 scalars (mma_reference rounds)
 
     def mma_f16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         return _mma("float16", (a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3))
@@ -213,15 +281,13 @@ if SIMULATOR:
 
     def _ldmatrix(words, index, trans):
         def combine(addresses):
-            rows = np.empty((4, 8, 8), np.int64)
-            for m in range(4):
-                for r in range(8):
-                    at = addresses[8 * m + r]
-                    for w in range(4):
-                        word = int(words[at + w]) & 0xFFFFFFFF
-                        rows[m, r, 2 * w], rows[m, r, 2 * w + 1] = word & 0xFFFF, word >> 16
-            return [tuple(np.uint32(pack_bits(lo, hi)) for lo, hi in lane_pairs)
-                    for lane_pairs in ldmatrix_rows(rows, trans)]
+            # lane 8m + r's address: row r of matrix m, 4 words = 8 values
+            at = np.asarray(addresses, np.int64)[:, None] + np.arange(4)
+            row_words = np.asarray(words)[at].astype(np.int64) & 0xFFFFFFFF
+            rows = np.stack([row_words & 0xFFFF, row_words >> 16], axis=-1).reshape(4, 8, 8)
+            pairs = ldmatrix_rows(rows, trans)
+            return [tuple(lane) for lane in (pairs[..., 0] | pairs[..., 1] << 16)
+                    .astype(np.uint32)]
 
         lane, registers = _warp_values(int(index), combine)
         return registers[lane]

@@ -217,53 +217,47 @@ if SIMULATOR:
         """This thread's index in its warpgroup."""
         return cuda.threadIdx.x % WARPGROUP
 
-    def _element(desc, row, k, dtype, mn_major=False):
+    def _elements(desc, rows, k, dtype, mn_major=False):
+        """The operand's elements (rows[i], k[j]) (NumPy arrays that broadcast), float64."""
         words, start, lbo, sbo, swizzle = desc
-        at = operand_address(start, row, k, lbo, sbo, swizzle, mn_major)
-        word = int(words[at // 4]) & 0xFFFFFFFF
-        return bits_value(word >> 16 if at % 4 else word & 0xFFFF, dtype)
+        at = operand_address(start, rows, k, lbo, sbo, swizzle, mn_major)
+        word = np.asarray(words)[at // 4].astype(np.int64) & 0xFFFFFFFF
+        return bits_value(np.where(at % 4, word >> 16, word & 0xFFFF), dtype)
 
-    def _mma_async(dtype, desc_a, desc_b, acc):
+    def _products(a_rows, desc_b, acc, dtype, mn_major):
+        """acc + A B for this thread: a_rows (2, 16), its rows g and g + 8 of A; B's columns
+        8 j + 2 q + c (c = 0, 1) for each of the N / 8 steps j; acc[4 j + 2 half + c]. The 16
+        products (exact in float64) summed in float64, rounded once to float32, as
+        warp.mma_reference does."""
         n = 2 * len(acc)
         _check_shape(n)
-        for _, start, _, _, _ in (desc_a, desc_b):
+        q = _thread() % 4
+        cols = (8 * np.arange(n // 8)[:, None] + 2 * q + np.arange(2)).reshape(-1)
+        b = _elements(desc_b, cols[:, None], np.arange(16), dtype, mn_major)  # (N/4, 16)
+        s = (a_rows @ b.T).reshape(2, n // 8, 2).transpose(1, 0, 2).reshape(-1)
+        return tuple((s + np.asarray(acc, np.float64)).astype(np.float32))
+
+    def _check_starts(*descs):
+        for _, start, _, _, _ in descs:
             if start % 16:
                 raise ValueError(f"wgmma: an operand's start {start} is not 16-byte aligned")
+
+    def _mma_async(dtype, desc_a, desc_b, acc):
+        _check_starts(desc_a, desc_b)
         t = _thread()
-        w, g, q = t // 32, t % 32 // 4, t % 4
-        rows = [16 * w + g, 16 * w + g + 8]
-        a = [[_element(desc_a, r, k, dtype) for k in range(16)] for r in rows]
-        out = []
-        for j in range(n // 8):
-            cols = [[_element(desc_b, 8 * j + 2 * q + c, k, dtype) for k in range(16)]
-                    for c in range(2)]
-            for half in range(2):
-                for c in range(2):
-                    s = sum(float(x) * float(y) for x, y in zip(a[half], cols[c]))
-                    out.append(np.float32(s + float(acc[4 * j + 2 * half + c])))
-        return tuple(out)
+        w, g = t // 32, t % 32 // 4
+        rows = np.array([16 * w + g, 16 * w + g + 8])
+        return _products(_elements(desc_a, rows[:, None], np.arange(16), dtype), desc_b, acc,
+                         dtype, False)
 
     def _mma_async_regs(dtype, a, desc_b, acc, mn_major=False):
-        """The product with A from each thread's registers: the warp's lanes meet (32
-        shuffles) for its 16 rows of A; the rest as _mma_async, B MN-major or not."""
-        n = 2 * len(acc)
-        _check_shape(n)
-        if desc_b[1] % 16:
-            raise ValueError(f"wgmma: an operand's start {desc_b[1]} is not 16-byte aligned")
-        lanes = np.array([warp.shfl_idx(tuple(int(x) for x in a), src)
-                          for src in range(warp.LANES)], np.uint64)
+        """The product with A from each thread's registers: the warp's lanes meet once for
+        its 16 rows of A; the rest as _mma_async, B MN-major or not."""
+        _check_starts(desc_b)
+        lanes = np.array(warp.lane_values(tuple(int(x) for x in a)), np.uint64)
         rows16 = warp.a_matrix(warp.unpack(lanes, dtype))
-        t = _thread()
-        g, q = t % 32 // 4, t % 4
-        out = []
-        for j in range(n // 8):
-            for half in range(2):
-                for c in range(2):
-                    col = [_element(desc_b, 8 * j + 2 * q + c, k, dtype, mn_major)
-                           for k in range(16)]
-                    s = sum(float(x) * float(y) for x, y in zip(rows16[g + 8 * half], col))
-                    out.append(np.float32(s + float(acc[4 * j + 2 * half + c])))
-        return tuple(out)
+        g = _thread() % 32 // 4
+        return _products(rows16[[g, g + 8]], desc_b, acc, dtype, mn_major)
 
     def mma_async_regs_f16(a, desc_b, acc):
         """acc + A B, A from registers (a: 4 uint32, a_fragments' layout), float16."""

@@ -13,6 +13,8 @@ from numba_kernels.distributed.block_band import (MASK_KEYS, LocalBand, block_ba
 from numba_kernels.distributed.sharding import put_back, shard_ranges, shard_length, take
 from reference.contract import check_attention_args, dense_visible
 
+pytestmark = pytest.mark.usefixtures("every_core")  # spawned ranks: tests/conftest.py
+
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 50), st.integers(1, 9), st.sampled_from(["contiguous", "zigzag"]))

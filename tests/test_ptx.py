@@ -18,6 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from tests.conftest import CORES
+
 GATE_TEST = "test_every_shipped_variant_compiles_clean"
 _GATE = {}  # the running report: process, output file, its json path
 
@@ -37,8 +39,11 @@ def start_gate(jobs=None):
     out = open(os.path.join(folder, "report.txt"), "w+")  # noqa: SIM115
     command = [sys.executable, "-m", "numba_kernels.ptx_report", "--json",
                os.path.join(folder, "ptx.json")] + (["--jobs", str(jobs)] if jobs else [])
-    _GATE.update(process=subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                          text=True, env=env), out=out)
+    process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True,
+                               env=env)
+    if CORES:  # every core, also when this worker keeps to one (tests/conftest.py); set
+        os.sched_setaffinity(process.pid, CORES)  # while it imports, before its pool starts
+    _GATE.update(process=process, out=out)
 
 
 def stop_gate():

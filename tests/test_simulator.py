@@ -1,11 +1,14 @@
 """The simulator's thread blocks, as numba_internals item 6 runs them: a block's barrier lets
 its threads go only when every live one has arrived, a thread that exits no longer counts,
 and an exception in one thread is raised by the launch without leaving it waiting. Driven
-through numba-cuda's own BlockManager with plain Python functions as the threads' code."""
+through numba-cuda's own BlockManager with plain Python functions as the threads' code.
+And item 7: a device function's module swapped once a launch, restored after it."""
 import threading
 import time
 
+import numpy as np
 import pytest
+from numba import cuda
 
 from numba_kernels import numba_internals
 from numba_kernels.convert import SIMULATOR
@@ -89,3 +92,33 @@ def test_the_replacement_is_installed_and_refuses_a_changed_block_manager(monkey
     monkeypatch.setattr(sim.BlockManager, "run", run)
     with pytest.raises(numba_internals.InternalsChanged, match="BlockManager.run"):
         numba_internals._event_driven_simulator_blocks()
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the replacement is installed in the simulator only")
+def test_a_device_function_sees_each_launch_and_its_module_is_restored_after(monkeypatch):
+    """Item 7: a device function of another module (warp.lane_values) swaps its module's
+    `cuda` once a launch and keeps it till the launch ends: every call sees that launch's
+    threads, the next launch its own, and the module has its own `cuda` back after each
+    (also after a launch that raised)."""
+    from numba_kernels import warp
+
+    real = warp.cuda
+
+    @cuda.jit
+    def lanes(out, fail):
+        for step in range(3):
+            out[step, cuda.threadIdx.x] = warp.lane_values(cuda.threadIdx.x * 10 + step)[5]
+        if fail[0]:
+            raise ValueError("the launch fails")
+
+    for threads in (8, 16):
+        out = np.zeros((3, threads), np.int64)
+        lanes[1, threads](out, np.zeros(1, np.int64))
+        assert (out == 50 + np.arange(3)[:, None]).all()
+        assert warp.cuda is real
+    with pytest.raises(ValueError, match="the launch fails"):
+        lanes[1, 8](np.zeros((3, 8), np.int64), np.ones(1, np.int64))
+    assert warp.cuda is real
+    monkeypatch.setattr(sim, "swapped_cuda_module", lambda fn, module: None)
+    with pytest.raises(numba_internals.InternalsChanged, match="swapped_cuda_module"):
+        numba_internals._device_calls_swap_once()

@@ -8,6 +8,8 @@ from verify.adapters import Implementation, Supports
 from verify.backward import backward_battery
 from verify.cases import Case, battery
 
+pytestmark = pytest.mark.usefixtures("every_core")  # spawned ranks: tests/conftest.py
+
 pytest.importorskip("torch")
 NAMES = ("causal top_left 29x31", "large scores [float32]")
 RING = Supports(mask=False, bias=False)  # what ring attention claims

@@ -4,6 +4,7 @@ their simulator emulations, run as a real kernel of one warp; and that each comp
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -170,6 +171,29 @@ def test_votes_give_unsigned_words_and_their_counts():
         assert below[32 * w:32 * w + 32].tolist() == [sum(bits[:lane]) for lane in range(32)]
     assert words[31] >= 2**31  # lane 31 kept in warp 0: a word, not a negative number
     assert every.all()
+
+
+@needs_simulator
+def test_a_launch_that_raises_leaves_the_next_ones_warps_alone():
+    """Half a warp raises before a shuffle the other half waits in: the launch raises, those
+    lanes are left waiting (till warp.MEETING_TIMEOUT_S), and the next launch's shuffles
+    meet among themselves, not with them."""
+    @cuda.jit
+    def shuffle(fail, out):
+        lane = cuda.threadIdx.x
+        if fail[0] and lane < 16:
+            raise ValueError("this lane fails")
+        out[lane] = warp.shfl_xor(float32(lane), 1)
+
+    out = np.zeros(32, np.float32)
+    with pytest.raises(ValueError, match="this lane fails"):
+        shuffle[1, 32](np.ones(1, np.int64), out)
+    second = threading.Thread(target=lambda: shuffle[1, 32](np.zeros(1, np.int64), out),
+                              daemon=True)
+    second.start()
+    second.join(60)
+    assert not second.is_alive(), "the second launch met the first one's lanes"
+    assert out.tolist() == [lane ^ 1 for lane in range(32)]
 
 
 PTX_CHECK = """
