@@ -31,15 +31,17 @@ BACKWARD_FLOPS = 2.5  # times the forward's
 
 def calls(name, q, k, v, dout, causal):
     """(forward plus backward, backward alone) of implementation `name`: numba-plain,
-    numba-tuned and numba-mma call the kernels directly (flash_attention_backward's
-    kernel=; float32's forward the SIMT kernel, but the tensor-core one for numba-mma, at
-    precision "high", and numba-mma-highest, at "highest"), the
+    numba-tuned, numba-mma and numba-wgmma call the kernels directly
+    (flash_attention_backward's kernel=; float32's forward the SIMT kernel, but the
+    tensor-core one for numba-mma, at precision "high", and numba-mma-highest, at
+    "highest"; numba-wgmma's the wgmma forward), the
     SDPA backends go through autograd (their backward follows the forward's kernel)."""
     if name.startswith("numba-"):
         kernel, opts = name.split("-")[1], dict(causal="top_left" if causal else False)
         if kernel == "mma":
             opts["precision"] = "highest" if name.endswith("-highest") else "high"
-        forward = "mma" if kernel == "mma" else "simt" if q.dtype == torch.float32 else "auto"
+        forward = kernel if kernel in ("mma", "wgmma") else "simt" if q.dtype == torch.float32 \
+            else "auto"
         qd, kd, vd = (x.detach() for x in (q, k, v))
         out, lse = flash_attention(qd, kd, vd, return_lse=True, kernel=forward, **opts)
 

@@ -13,8 +13,8 @@ The mask (verify.cases.block_mask, as (1, 1, N, N) booleans): "blocks", blocks o
 kernels' own arguments (which skip tiles by the band) beside FlexAttention's block mask of
 the same band; their "kept" is the fraction of pairs visible. CUDA events, a warm-up
 call, the median of repeats worth about 0.3 s (attention_speed.time_ms). --backward times
-forward plus backward through autograd. --kernel: ours as flash_attention(kernel=...) (wgmma:
-forward only). Writes DIR/block_sparse_speed.json.
+forward plus backward through autograd. --kernel: ours as flash_attention(kernel=...) (its
+backward follows: plan.BACKWARD_KERNEL). Writes DIR/block_sparse_speed.json.
 """
 import argparse
 import json
@@ -109,7 +109,7 @@ def main():
                     help="time only the calls whose names start with one of these, comma "
                          "separated (ours, efficient, flex; default every one)")
     ap.add_argument("--kernel", default="auto", choices=("auto", "simt", "mma", "wgmma"),
-                    help="our calls' kernel= (wgmma: the forward alone)")
+                    help="our calls' kernel= (the backward follows it)")
     ap.add_argument("--out", default=".", help="folder for block_sparse_speed.json")
     a = ap.parse_args()
     b, h, n, d = (int(x) for x in a.shape.split(","))

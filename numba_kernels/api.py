@@ -39,7 +39,8 @@ def flash_attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None,
     multiples of 8 up to 128, float32 with a mask or bias up to 64; a ValueError says why
     where it does not apply) or "wgmma" (flash_wgmma.py: the forward on Hopper's warpgroup
     tensor cores, float16 and bfloat16, head dims as "mma"'s, a GPU of compute capability
-    9.0; only by name, and with no backward yet: autograd refuses it); kernel_plan tells
+    9.0; only by name; its gradients: flash_attention_backward(kernel="wgmma"), which
+    autograd runs after it); kernel_plan tells
     which one a call gets, why, and at which precision.
     precision: how accurate float32 must be, PyTorch's names: "highest", float32's accuracy
     (the SIMT kernels, or the halves with each step's products summed apart and rounded to

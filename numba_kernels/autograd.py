@@ -36,19 +36,15 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_len
     """flash_attention's forward through the operator (same arguments and results). The
     precision and the kernel are chosen here, once (plan.kernel_plan, PyTorch's precision
     setting when None), and the backward follows them: a "simt" forward's gradients come
-    from the "tuned" kernels, an "mma" forward's from the tensor cores, whose scores are the
-    forward's bit for bit (at large scores, other scores than the ones the forward's lse was
-    made from give P far from exp(S - lse): docs/findings.md, bug 10)."""
+    from the "tuned" kernels, an "mma" forward's from the tensor cores, a "wgmma" forward's
+    from the tensor cores with dK and dV on wgmma (plan.BACKWARD_KERNEL), whose scores are
+    the forward's bit for bit (at large scores, other scores than the ones the forward's lse
+    was made from give P far from exp(S - lse): docs/findings.md, bug 10)."""
     plan = kernel_plan(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,
                        kv_lengths=kv_lengths, window=window, num_splits=num_splits,
                        kernel=kernel, precision=precision, block_mask=block_mask,
                        block_size=block_size)  # the contract's errors first
     kernel, precision = plan.kernel, plan.precision
-    if kernel not in BACKWARD_KERNEL and torch.is_grad_enabled():
-        raise NotImplementedError(
-            f"kernel={kernel!r} has no backward yet: nothing makes the mma backward's scores "
-            "its forward's bit for bit, and at large scores P = exp(S - lse) would be far off "
-            "(docs/findings.md, bug 10); call it under torch.no_grad() or use kernel='mma'")
     if isinstance(bias, Tensor) and bias.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError("bias requires grad, but the kernels compute no gradient "
                                   "for bias (reference.attention_backward(return_dbias=True) "

@@ -1,6 +1,7 @@
 """flash_attention_backward: the contract's gradients from the backward kernels (flash_mma_bwd.py
-on tensor cores, for 16-bit inputs; flash_bwd.py, tuned SIMT; plain_bwd.py, one thread per key
-or row), with flash_attention's arguments, checks and array handling."""
+on tensor cores, for 16-bit inputs, with flash_wgmma_bwd.py's dK, dV on Hopper's; flash_bwd.py,
+tuned SIMT; plain_bwd.py, one thread per key or row), with flash_attention's arguments, checks
+and array handling."""
 import numpy as np
 
 from reference.contract import BLOCK_SIZE, array_dtype, shape4
@@ -12,6 +13,7 @@ from .common import DELTA_ARGS, DKDV_ARGS, DQ_ARGS, kernel_args
 from .flash_bwd import TUNED_DKDV_ARGS, TUNED_DQ_ARGS, BwdSpec, bwd_width
 from .flash_mma_bwd import (BLOCK as MMA_BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec,
                             kv_parts, mma_bwd_kernel)
+from .flash_wgmma_bwd import WgmmaBwdSpec, wgmma_bwd_kernel
 from .launch import launch
 from .mma_parts import (BLOCK_N as MMA_KEY_TILE, THREADS as MMA_THREADS, full_tiles_apply,
                         mma_width)
@@ -43,10 +45,12 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     dims multiples of 8 up to 128, float32 with a
     mask or bias up to 64; ValueError where it does not apply; float32's scores are the
     forward's bit for bit when out and lse came from flash_attention(kernel="mma"): after
-    the SIMT forward's take "tuned", whose scores round as that forward's do), "tuned"
-    (flash_bwd.py, register micro-tiles
-    over shared-memory tiles) or "plain" (plain_bwd.py, one thread per key or row: the one
-    to read first). Every kernel keeps a NaN or an inf in a pair that takes no part out of
+    the SIMT forward's take "tuned", whose scores round as that forward's do), "wgmma"
+    (after flash_attention(kernel="wgmma"): "mma" with dK and dV on Hopper's warpgroup
+    tensor cores, flash_wgmma_bwd.py; float16 and bfloat16 on a GPU of compute capability
+    9.0; ValueError elsewhere), "tuned" (flash_bwd.py, register micro-tiles over
+    shared-memory tiles) or "plain" (plain_bwd.py, one thread per key or row: the one to
+    read first). Every kernel keeps a NaN or an inf in a pair that takes no part out of
     the gradients: the tensor-core kernels flag the tiles of q, k and dout that hold one
     (one pass over each) and add only the pairs that take part in those.
     precision: as flash_attention's ("highest", "high", or None: PyTorch's float32 matmul
@@ -103,7 +107,7 @@ def backward_float32(q, k, v, out, lse, dout, *, scale=None, causal=False, mask=
                          dict(options, precision=resolve_precision(precision, q)))
     pb, io, chosen, precision = _checked(q, k, v, out, lse, dout, dlse, scale, causal, mask,
                                          bias, kv_lengths, window, kernel, precision)
-    if pb.dtype == "float32" or chosen != "mma":
+    if pb.dtype == "float32" or chosen not in ("mma", "wgmma"):  # wgmma: the mma kernels
         q, k, v, out, dout = (_float32(x) for x in (q, k, v, out, dout))
         return flash_attention_backward(q, k, v, out, lse, dout,
                                         **dict(options, precision=precision))
@@ -143,8 +147,9 @@ def _gradients(pb, io, q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths, ke
         return io.result(dq), io.result(dk), io.result(dv)
     width = pad(max(pb.d, pb.dv))
     mask_dev, bias_dev, lengths, steps = side_inputs(io, pb, mask, bias, kv_lengths)
-    mask_dev, steps, blocks = fit_blocks(io, pb, mask_dev, steps, blocks, mma_tiles(pb) if (
-        float32_grads or kernel == "mma") else tuned_tiles(pb) if kernel == "tuned" else ())
+    mask_dev, steps, blocks = fit_blocks(io, pb, mask_dev, steps, blocks, mma_tiles(
+        pb, kernel == "wgmma" and not float32_grads) if (float32_grads or kernel in (
+            "mma", "wgmma")) else tuned_tiles(pb) if kernel == "tuned" else ())
     # full_tiles: a block table read as it is, alone: every listed tile FULL, no mask read
     full = not float32_grads and full_tiles_apply(pb.dtype, blocks is not None,
                                                   blocks is not None and blocks.masked,
@@ -205,7 +210,7 @@ def _tuned(pb, io, named, grads, width, has_mask, precision):
                    shared=spec.dynamic_shared_bytes)
 
 
-def _mma(pb, io, named, grads, width, has_mask, precision, float32_grads=False):
+def _mma(pb, io, named, grads, width, has_mask, precision, float32_grads=False, wgmma=False):
     """The tensor-core dK/dV and dQ kernels (flash_mma_bwd.py), after the pre-passes: with a
     mask or bias the visible lists each kernel walks (block_sparse.py: dQ's by query tile,
     dK/dV's by key tile), and the flags of the tiles of q, dout and k that hold a NaN or an
@@ -213,11 +218,19 @@ def _mma(pb, io, named, grads, width, has_mask, precision, float32_grads=False):
     variant, then its nonfinite variant for the blocks the fast one deferred (most often
     none: its blocks return at once); float32 at precision "highest" by the variants that
     sum each step's products apart; float32_grads: the 16-bit variants that store float32;
-    named["full_tiles"]: the fast variants that read no mask or bias (MmaBwdSpec.full_tiles)."""
+    named["full_tiles"]: the fast variants that read no mask or bias (MmaBwdSpec.full_tiles);
+    wgmma: the fast variants are flash_wgmma_bwd.py's (16-bit inputs), with lists of their
+    own tiles where they differ."""
     summed = halves_summed(pb.dtype, precision)
-    visible = {part: list_prepass(io, class_prepass(
-        io, pb, named["mask"], named["mask_steps"], has_mask, *tiles, named["blocks"]),
-        part != "dq") for part, tiles in zip(("dq", "kv"), mma_tiles(pb))}
+    lists = {}  # (rows, keys, transposed) -> the visible lists at those tiles
+
+    def visible(tiles, transposed):
+        if (*tiles, transposed) not in lists:
+            lists[(*tiles, transposed)] = list_prepass(io, class_prepass(
+                io, pb, named["mask"], named["mask_steps"], has_mask, *tiles, named["blocks"]),
+                transposed)
+        return lists[(*tiles, transposed)]
+
     if pb.dtype == "float32":
         named, flags = halves_prepass(io, named)
     else:
@@ -231,24 +244,40 @@ def _mma(pb, io, named, grads, width, has_mask, precision, float32_grads=False):
         if pb.batch * heads * n == 0:
             continue
         values = dict(named, **flags, **{g: grads[g] for g in out},
-                      deferred=io.scratch((pb.batch, heads, blocks)),
-                      visible=visible["dq" if part == "dq" else "kv"])
+                      deferred=io.scratch((pb.batch, heads, blocks)))
         for nonfinite in (False, True):  # the nonfinite variant reads the all-true mask
             spec = MmaBwdSpec(part, mma_width(pb.d), mma_width(pb.dv), pb.dtype, has_mask,
                               nonfinite, summed, float32_grads,
                               named["full_tiles"] and not nonfinite)
-            launch(mma_bwd_kernel(spec), spec, (blocks, pb.batch * heads), MMA_THREADS,
-                   io.stream, *_ordered(args, values), shared=spec.dynamic_shared_bytes)
+            kernel = mma_bwd_kernel(spec)
+            if wgmma and not nonfinite:
+                spec = WgmmaBwdSpec(part, spec.d, spec.dv, spec.dtype, has_mask,
+                                    spec.full_tiles)
+                kernel = wgmma_bwd_kernel(spec)
+            launch(kernel, spec, (blocks, pb.batch * heads), MMA_THREADS, io.stream,
+                   *_ordered(args, dict(values, visible=visible(spec.tiles, part != "dq"))),
+                   shared=spec.dynamic_shared_bytes)
 
 
-LAUNCHES = {"plain": _plain, "tuned": _tuned, "mma": _mma}  # each backward kernel's launches
+def _wgmma(pb, io, named, grads, width, has_mask, precision):
+    """_mma with the fast variants on Hopper's warpgroup tensor cores (16-bit inputs)."""
+    _mma(pb, io, named, grads, width, has_mask, precision, wgmma=True)
 
 
-def mma_tiles(pb):
+LAUNCHES = {"plain": _plain, "tuned": _tuned, "mma": _mma,  # each backward kernel's launches
+            "wgmma": _wgmma}
+
+
+def mma_tiles(pb, wgmma=False):
     """The tiles (rows, keys) the tensor-core backward walks: the dQ kernel's, and the dK/dV
-    kernel's (qb query rows by a block of keys)."""
-    qb = MmaBwdSpec("dkdv", mma_width(pb.d), mma_width(pb.dv), pb.dtype, True).qb
-    return [(MMA_BLOCK, MMA_KEY_TILE), (qb, MMA_BLOCK)]
+    kernel's (qb query rows by a block of keys); wgmma: the wgmma kernels' too (the mma.sync
+    ones' nonfinite variants keep theirs)."""
+    specs = [MmaBwdSpec(part, mma_width(pb.d), mma_width(pb.dv), pb.dtype, True)
+             for part in ("dq", "dkdv")]
+    if wgmma:
+        specs += [WgmmaBwdSpec(part, mma_width(pb.d), mma_width(pb.dv), pb.dtype, True, full)
+                  for part in ("dq", "dkdv") for full in (False, True)]
+    return list(dict.fromkeys(s.tiles for s in specs))
 
 
 def tuned_tiles(pb):

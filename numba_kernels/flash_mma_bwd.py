@@ -135,6 +135,12 @@ class MmaBwdSpec:
         return 32 if max(self.d, self.dv) <= 64 else 16
 
     @property
+    def tiles(self):
+        """(rows, keys) of the tiles its visible lists hold: dq's (BLOCK, KEY_TILE), dK and
+        dV's (qb, BLOCK)."""
+        return (BLOCK, KEY_TILE) if self.part == "dq" else (self.qb, BLOCK)
+
+    @property
     def layout(self):
         """Where the shared tiles start, in 32-bit words (the module's docstring draws them;
         with halves each tile's lo half follows its hi one, `*_lo` words after it, or lives

@@ -113,22 +113,25 @@ def wgmma_specs():
             for p in (False, True) for full in ((False, True) if m else (False,))]
 
 
-def make_scores(D, mma):
-    FLOATS = KEYS // 2  # the accumulator's, a thread (a literal for the intrinsics)
-    Q_BLOCK, K_BLOCK = BLOCK_M * ROW_WORDS, KEYS * ROW_WORDS  # words: 64 columns of each
+def make_scores(D, mma, A_ROWS=BLOCK_M, B_ROWS=KEYS):
+    """issue_scores for A (A_ROWS = 64 rows) B^T (B_ROWS rows), both D wide: the forward's
+    S = Q K^T, the backward's S^T = K Q^T and dP^T = V dO^T (flash_wgmma_bwd.py)."""
+    FLOATS = B_ROWS // 2  # the accumulator's, a thread (a literal for the intrinsics)
+    A_BLOCK, B_BLOCK = A_ROWS * ROW_WORDS, B_ROWS * ROW_WORDS  # words: 64 columns of each
+    assert A_ROWS == 64  # wgmma's M
 
     @kernel_part
-    def issue_scores(words, q_at, k_at):
-        """Issues S = Q K^T as one group of D / 16 products, Q (A) and K (B) through
+    def issue_scores(words, a_at, b_at):
+        """Issues A B^T (S = Q K^T) as one group of D / 16 products, A and B through
         swizzled K-major descriptors, step kk 32 bytes into its block's rows; returns the
-        accumulator, S once the group is waited for."""
+        accumulator, the product once the group is waited for."""
         acc = warpgroup.accumulator(FLOATS)
         warpgroup.wgmma_fence()
         for kk in range(D // 16):
             step = 8 * (kk % 4)  # words: 16 values of K
-            acc = mma(warpgroup.descriptor(words, q_at + kk // 4 * Q_BLOCK + step, K_MAJOR_LBO,
+            acc = mma(warpgroup.descriptor(words, a_at + kk // 4 * A_BLOCK + step, K_MAJOR_LBO,
                                            GROUP_BYTES, SWIZZLE),
-                      warpgroup.descriptor(words, k_at + kk // 4 * K_BLOCK + step, K_MAJOR_LBO,
+                      warpgroup.descriptor(words, b_at + kk // 4 * B_BLOCK + step, K_MAJOR_LBO,
                                            GROUP_BYTES, SWIZZLE), acc)
         warpgroup.wgmma_commit()
         return acc
@@ -136,20 +139,22 @@ def make_scores(D, mma):
     return issue_scores
 
 
-def make_pv(DV, mma_regs_mn, pack):
-    V_LBO = KEYS * SWIZZLE  # bytes: V's next 64 columns (N)
-    STEP_WORDS = 16 * ROW_WORDS  # 16 keys: a step of K
+def make_pv(DV, mma_regs_mn, pack, ROWS=KEYS):
+    """issue_pv for P (64 x ROWS, from registers) V (ROWS rows, DV wide): the forward's
+    O += P V, the backward's dV += P^T dO and dK += dS^T Q (flash_wgmma_bwd.py)."""
+    V_LBO = ROWS * SWIZZLE  # bytes: V's next 64 columns (N)
+    STEP_WORDS = 16 * ROW_WORDS  # 16 rows of V (keys): a step of K
     FLOATS = DV // 2  # the accumulator's, a thread (a literal for the intrinsics)
 
     @kernel_part
     def issue_pv(words, v_at, s, o):
-        """Issues o + P V as one group of KEYS / 16 products, P from s (16-bit, A registers:
+        """Issues o + P V as one group of ROWS / 16 products, P from s (16-bit, A registers:
         n-blocks 2 n2 and 2 n2 + 1 as mma.sync's A fragment), V (B) MN-major through
         swizzled descriptors; returns the accumulator, o + P V once the group is waited
         for. Until then neither o's values nor V's tile may change."""
         acc = warpgroup.fragment_tuple(o, FLOATS)
         warpgroup.wgmma_fence()
-        for n2 in range(KEYS // 16):
+        for n2 in range(ROWS // 16):
             p = (pack(s[2 * n2, 0], s[2 * n2, 1]), pack(s[2 * n2, 2], s[2 * n2, 3]),
                  pack(s[2 * n2 + 1, 0], s[2 * n2 + 1, 1]),
                  pack(s[2 * n2 + 1, 2], s[2 * n2 + 1, 3]))

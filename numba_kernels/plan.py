@@ -17,10 +17,10 @@ from .prepass import table_fits
 from .specs import DTYPES, choose_spec
 
 KERNELS = ("simt", "mma", "wgmma", "auto")  # the forward's kernel=
-BACKWARD_KERNELS = ("plain", "tuned", "mma", "auto")  # the backward's kernel=
+BACKWARD_KERNELS = ("plain", "tuned", "mma", "wgmma", "auto")  # the backward's kernel=
 # the backward kernel that follows each forward kernel: "tuned" rounds its scores as the SIMT
-# forward does, "mma" recomputes the forward's bit for bit
-BACKWARD_KERNEL = {"simt": "tuned", "mma": "mma"}
+# forward does, "mma" and "wgmma" recompute their forward's (tests/test_gpu.py checks wgmma's)
+BACKWARD_KERNEL = {"simt": "tuned", "mma": "mma", "wgmma": "wgmma"}
 PRECISIONS = ("highest", "high")  # PyTorch's float32 matmul precisions ("medium" as "high")
 FLOAT32_MIN_ROWS = 64  # "auto": float32 with fewer query rows (decoding) stays on SIMT
 
@@ -135,11 +135,17 @@ def check_kernel(kernel, kernels=KERNELS):
 
 
 def backward_plan(pb, kernel, has_mask, precision, named):
-    """The backward kernel flash_attention_backward runs ("plain", "tuned" or "mma") for
-    kernel= of BACKWARD_KERNELS: "auto" and "mma" make the forward's choice (call_plan over
-    the tensors `named`, dout among them) and follow it (BACKWARD_KERNEL), so that the two
-    passes agree; "mma" raises ValueError where it does not apply."""
+    """The backward kernel flash_attention_backward runs ("plain", "tuned", "mma" or
+    "wgmma") for kernel= of BACKWARD_KERNELS: "auto" and "mma" make the forward's choice
+    (call_plan over the tensors `named`, dout among them) and follow it (BACKWARD_KERNEL), so
+    that the two passes agree; "mma" and "wgmma" raise ValueError where they do not apply
+    ("wgmma": where the wgmma forward does not, wgmma_why_not)."""
     check_kernel(kernel, BACKWARD_KERNELS)
+    if kernel == "wgmma":
+        why_not = wgmma_why_not(pb)
+        if why_not:
+            raise ValueError(f"kernel='wgmma': {why_not}")
+        return kernel
     if kernel not in ("auto", "mma"):
         return kernel
     return BACKWARD_KERNEL[call_plan(pb, kernel, None, has_mask, precision, named).kernel]

@@ -22,6 +22,8 @@ from .mma_parts import BLOCK_M as MMA_BLOCK_M, BLOCK_N as MMA_BLOCK_N
 from .flash_mma import kernel_source as mma_kernel_source
 from .flash_wgmma import KEYS as WGMMA_KEYS, WgmmaSpec, wgmma_kernel, wgmma_specs
 from .flash_wgmma import kernel_source as wgmma_kernel_source
+from .flash_wgmma_bwd import (WgmmaBwdSpec, wgmma_bwd_kernel, wgmma_bwd_source,
+                              wgmma_bwd_specs)
 from .flash_mma_bwd import (BLOCK as MMA_BWD_BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaBwdSpec,
                             ScanSpec, mma_bwd_kernel, mma_bwd_source, mma_bwd_specs,
                             scan_kernel, scan_source)
@@ -96,7 +98,8 @@ def gate_specs():
     """Every variant a call can launch, of every kernel: what the PTX gate compiles (the
     plain kernels and the delta kernel at each padded width pad() gives, the merges by dtype)."""
     return (shipped_specs() + list(DTYPES) + plain_specs(HEAD_DIMS) + plain_bwd_specs(HEAD_DIMS)
-            + bwd_specs() + mma_specs() + wgmma_specs() + mma_bwd_specs() + classes_specs())
+            + bwd_specs() + mma_specs() + wgmma_specs() + mma_bwd_specs() + wgmma_bwd_specs()
+            + classes_specs())
 
 
 def classes_specs():
@@ -109,6 +112,7 @@ def classes_specs():
     sizes |= {s.tiles[:2] for s in bwd_specs() if s.has_mask}
     sizes |= {(s.qb, MMA_BWD_BLOCK) for s in mma_bwd_specs()
               if isinstance(s, MmaBwdSpec) and s.has_mask}
+    sizes |= {s.tiles for s in wgmma_bwd_specs() if s.has_mask}
     return [ClassesSpec(m, n, words) for m, n in sorted(sizes) for words in (False, True)] + [
         ListsSpec(transposed) for transposed in (False, True)] + [
         BlocksSpec(expand) for expand in (False, True)]
@@ -262,6 +266,9 @@ def _variant(spec):
     if isinstance(spec, MmaBwdSpec):
         return (lambda: mma_bwd_source(spec), lambda: mma_bwd_kernel(spec),
                 mma_bwd_signature(spec))
+    if isinstance(spec, WgmmaBwdSpec):  # flash_mma_bwd's arguments
+        return (lambda: wgmma_bwd_source(spec), lambda: wgmma_bwd_kernel(spec),
+                mma_bwd_signature(spec))
     if isinstance(spec, MmaSpec):
         return (lambda: mma_kernel_source(spec), lambda: mma_kernel(spec),
                 mma_signature(spec))
@@ -293,8 +300,9 @@ def compiled(spec):
 def variants(forward, backward=None):
     """The variants calls of one of our implementations can launch, for warming the cache
     before a run: forward "simt" (flash_attention(kernel="simt")), "plain", "mma" or "wgmma",
-    with the split-KV merges; backward None, "plain", "tuned" or "mma" (with the delta
-    kernel; "mma" with the pre-pass that flags tiles holding a NaN or an inf)."""
+    with the split-KV merges; backward None, "plain", "tuned", "mma" or "wgmma" (with the
+    delta kernel; "mma" and "wgmma" with the pre-pass that flags tiles holding a NaN or an
+    inf; "wgmma" with mma's, whose dQ and nonfinite variants it launches)."""
     fwd = {"simt": shipped_specs() + classes_specs(), "plain": plain_specs(HEAD_DIMS),
            "mma": mma_specs() + halves_specs() + classes_specs(),
            "wgmma": wgmma_specs() + [s for s in mma_specs() if s.careful] + classes_specs()}
@@ -302,8 +310,10 @@ def variants(forward, backward=None):
                                        if s.part == "delta" or backward == "plain"]
     if backward == "tuned":
         bwd += bwd_specs()
-    if backward == "mma":
+    if backward in ("mma", "wgmma"):
         bwd += mma_bwd_specs()
+    if backward == "wgmma":
+        bwd += wgmma_bwd_specs()
     return list(dict.fromkeys(fwd[forward] + list(DTYPES) + bwd))  # in order, once each
 
 

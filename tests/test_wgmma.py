@@ -140,15 +140,6 @@ def test_only_a_hopper_gpu_runs_it(monkeypatch):
 
 
 @pytest.mark.skipif(hopper_why_not() is not None, reason=str(hopper_why_not()))
-def test_autograd_refuses_it_while_it_has_no_backward():
-    torch = pytest.importorskip("torch")
-    device = "cpu" if SIMULATOR else "cuda"
-    q = torch.zeros((1, 1, 8, 64), dtype=torch.float16, device=device, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="no backward yet"):
-        flash_attention(q, q, q, kernel="wgmma")
-
-
-@pytest.mark.skipif(hopper_why_not() is not None, reason=str(hopper_why_not()))
 def test_a_split_redone_by_the_careful_variant_keeps_its_keys():
     """Split-KV with a deferred block: a NaN in V at key 110, hidden by the mask, makes the
     fast (wgmma, tiles of 64 keys) variant's first split end non-finite; flash_mma's careful

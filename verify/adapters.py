@@ -14,9 +14,9 @@ what "auto" runs for float32 by default, precision "highest", from 64 query rows
 mask or bias), numba-mma-backward (the same at precision "high", mma.sync's own sums),
 numba-mma (the tensor-core kernels alone:
 flash_mma.py's forward, flash_mma_bwd.py's backward), numba-wgmma (the forward on Hopper's
-warpgroup tensor cores, flash_wgmma.py: no backward yet), numba-ring and numba-allgather (ring
-attention and the seed's all-gather scheme across ranks: with world_size,
-verify/distributed.py), torch-math, torch-efficient,
+warpgroup tensor cores, flash_wgmma.py, and the backward with dK, dV on them,
+flash_wgmma_bwd.py), numba-ring and numba-allgather (ring attention and the seed's all-gather
+scheme across ranks: with world_size, verify/distributed.py), torch-math, torch-efficient,
 torch-flash, torch-cudnn (PyTorch's SDPA backends), torch-cp-efficient, torch-cp-flash,
 torch-cp-cudnn (PyTorch's context_parallel over them, per rank: with world_size),
 torch-flex (FlexAttention, with the case's mask as a BlockMask and bias as a score_mod),
@@ -427,26 +427,34 @@ def _numba_mma():
 
 
 def _numba_wgmma():
-    """Our forward on Hopper's warpgroup tensor cores (numba_kernels/flash_wgmma.py,
-    flash_attention(kernel="wgmma"): blocks where a row ends non-finite are done again by
-    flash_mma.py's careful variant); float16 and bfloat16, head dims multiples of 8 up to
-    128, a GPU of compute capability 9.0 or the simulator; no backward yet."""
-    from numba_kernels import MMA_DTYPES, MMA_WIDTHS, SIMULATOR, flash_attention
+    """Our kernels on Hopper's warpgroup tensor cores: the forward of
+    numba_kernels/flash_wgmma.py (flash_attention(kernel="wgmma"): blocks where a row ends
+    non-finite are done again by flash_mma.py's careful variant) and the backward of
+    flash_attention_backward(kernel="wgmma") (dK and dV by flash_wgmma_bwd.py, dQ and the
+    blocks whose tiles hold a NaN or an inf by flash_mma_bwd.py); float16 and bfloat16,
+    head dims multiples of 8 up to 128, a GPU of compute capability 9.0 or the simulator."""
+    from numba_kernels import (MMA_DTYPES, MMA_WIDTHS, SIMULATOR, flash_attention,
+                               flash_attention_backward)
+
+    def grad(q, k, v, dout, **options):
+        out, lse = flash_attention(q, k, v, return_lse=True, kernel="wgmma", **options)
+        return flash_attention_backward(q, k, v, out, lse, dout, kernel="wgmma", **options)
 
     def warm(backward=False, say=None):
-        _warm_kernels("wgmma", None, say)
+        _warm_kernels("wgmma", "wgmma" if backward else None, say)
 
     on_gpu = not SIMULATOR
     return Implementation("numba-wgmma", lambda q, k, v, **options: flash_attention(
                               q, k, v, kernel="wgmma", **options),
                           Supports(dtypes=MMA_DTYPES, max_head_dim=MMA_WIDTHS[-1],
-                                   head_dim_multiple=8),
+                                   head_dim_multiple=8, backward=True),
                           precision="16-bit products exact, float32 sums",
                           array="torch" if on_gpu else "numpy",
                           device="cuda" if on_gpu else "cpu",
                           version=f"numba-cuda {_version('numba_cuda')}"
                           + ("" if on_gpu else " (CUDA simulator)"), costs=_numba_costs,
-                          timeout_s=120.0 if on_gpu else 900.0, warm=warm)
+                          timeout_s=120.0 if on_gpu else 900.0, grad=grad,
+                          differentiable=False, warm=warm)
 
 
 def _numba_split(scheme):
