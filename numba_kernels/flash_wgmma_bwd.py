@@ -1,15 +1,15 @@
-"""The dK, dV kernel of the FlashAttention-2 backward on Hopper's warpgroup tensor cores
-(sm_90a): flash_mma_bwd.py's dkdv (reference/tiled_backward.py) with each of a query tile's
-four products one chain of wgmma.mma_async (warpgroup.py) by a warpgroup, for float16 and
-bfloat16. One warpgroup (128 threads) a block of BLOCK = 64 keys, as flash_mma_bwd's 4 warps:
-the accumulators of S^T and dP^T hold the keys and query columns mma.sync's C fragments hold
-there, so the probabilities, the masks, the walk over the visible query tiles and the stores
-are flash_mma_bwd's own.
+"""The FlashAttention-2 backward on Hopper's warpgroup tensor cores (sm_90a): flash_mma_bwd.py's
+dkdv and dq kernels (reference/tiled_backward.py) with each product of a tile one chain of
+wgmma.mma_async (warpgroup.py) by a warpgroup, for float16 and bfloat16. One warpgroup (128
+threads) a block of BLOCK = 64 keys (dK, dV) or 64 query rows (dQ), as flash_mma_bwd's 4
+warps: the accumulators hold the rows and columns mma.sync's C fragments hold there, so the
+probabilities, the masks, the walks over the visible tiles and the stores are flash_mma_bwd's
+own.
 
-Shared memory, all tiles as they are in global memory in the 128-byte swizzle (flash_wgmma.py):
-the block's K (64 x D) and V (64 x Dv) once, and in each of two stages a query tile of Q
-(QB x D) and dO (QB x Dv), copied by cp.async; QB = 64 query rows (32 where a mask is read at
-head dims above 64: WgmmaBwdSpec.qb). Per query tile (a step of the walk):
+Shared memory, every tile as it is in global memory in the 128-byte swizzle (flash_wgmma.py):
+the block's two tiles once and, in each of two stages, the walk's two, copied by cp.async.
+dkdv (K, V kept; Q and dO walked in query tiles of QB = 64 rows, 32 where a mask is read at
+head dims above 64: WgmmaBwdSpec.qb), a step:
 
     S^T  = K Q^T      A = K, B = Q, both K-major (the head dim along K)     D / 16 products
     dP^T = V dO^T     A = V, B = dO, both K-major                          Dv / 16
@@ -17,12 +17,14 @@ head dims above 64: WgmmaBwdSpec.qb). Per query tile (a step of the walk):
     dV  += P^T dO     A = P^T from registers, B = dO MN-major (Dv along N)   QB / 16
     dK  += dS^T Q     A = dS^T from registers, B = Q MN-major (D along N)    QB / 16
 
-S^T and dP^T are one group each, waited for together; dV's and dK's products likewise, while
-the next tile's copy is in flight. This is the fast variant only: a block whose query tiles'
-Q or dO hold a NaN or an inf is flagged in `deferred` (the same flags and test as
-flash_mma_bwd's), and flash_mma_bwd's nonfinite variant does it; dQ is flash_mma_bwd's kernel.
-In the simulator each product is summed as mma.sync's (warp.mma_reference), so the gradients
-are the mma.sync kernel's bit for bit there. docs/design/hopper.md says what comes next.
+dq (Q, dO kept; K and V walked in key tiles of KEYS = 64), a step: S = Q K^T, dP = dO V^T,
+P and dS (flash_mma's scale and mask, flash_mma_bwd's q probabilities), dQ += dS K (K
+MN-major). The score chains are waited for together, then the gradient chains, while the next
+tile's copy is in flight. These are the fast variants only: a block whose tiles hold a NaN or
+an inf (Q or dO for dkdv, K for dq) is flagged in `deferred` by flash_mma_bwd's test, and
+flash_mma_bwd's nonfinite variant does it. In the simulator each product is summed as
+mma.sync's (warp.mma_reference), so the gradients are the mma.sync kernels' bit for bit there.
+docs/design/hopper.md draws the design.
 """
 from dataclasses import astuple, dataclass
 from functools import lru_cache
@@ -177,6 +179,23 @@ def make_copy_pair(ROWS, D, DV, SECOND_AT):
     return copy_pair
 
 
+def make_fetch_step(QB, D, DV, DO_AT):
+    """fetch_step(words, at, q, dout, lse_in, delta, b, heads_q, h, start_q, n_q, d, d_v):
+    dkdv's next query tile (rows start_q .. + QB of head h's Q and dO) to the stage at word
+    `at`, one group of copies; returns this thread's row of the tile's statistics (lse in
+    log2 units, delta: flash_mma_bwd.row_stats; zeros past the tile), for the caller to
+    store beside it once the stage's readers are done."""
+    copy_step = make_copy_pair(QB, D, DV, DO_AT)  # Q and dO
+
+    @kernel_part
+    def fetch_step(words, at, q, dout, lse_in, delta, b, heads_q, h, start_q, n_q, d, d_v):
+        copy_step(words, at, q, dout, (int64(b) * heads_q + h) * n_q, start_q, n_q, d, d_v)
+        tid = cuda.threadIdx.x
+        return row_stats(lse_in, delta, b, h, start_q + tid, n_q, tid < QB, float32(1.0))
+
+    return fetch_step
+
+
 def instructions(spec):
     """(mma, mma_regs_mn, pack) of the variant's dtype: warpgroup.py's products with both
     operands in shared memory and with A from registers (B MN-major), warp.py's packing."""
@@ -234,7 +253,7 @@ def dkdv_kernel_source(spec):
     NB, DB, VB = QB // 8, D // 8, DV // 8  # n-blocks of S^T, of dK, of dV
     K_AT, V_AT, DO_AT = lay["k_at"], lay["v_at"], lay["do_at"]
     copy_block = make_copy_pair(BLOCK, D, DV, V_AT - K_AT)  # K and V
-    copy_step = make_copy_pair(QB, D, DV, DO_AT)  # Q and dO
+    fetch_step = make_fetch_step(QB, D, DV, DO_AT)
     scores, gradients = make_score_pair(spec, QB), make_kv_gradients(spec)
     probabilities = make_tile_probabilities(spec)
     interior, query_tiles = make_interior(QB), make_query_tiles(QB)
@@ -282,12 +301,11 @@ def dkdv_kernel_source(spec):
             h_next, t_next = head_steps(visible, cb, mask_steps, tile, int64(hk) * group,
                                         h_end, first_q, last_q, ends, tid)
             if h_next < h_end:  # the first step's query tile, into stage 0
-                q_next = step_tile(visible, cb, h_next * mask_steps[1], tile, t_next)
-                copy_step(words, base + STAGES_AT, q, dout,
-                          (int64(b) * heads_q + h_next) * n_q, q_next, n_q, d, d_v)
+                lse_next, delta_next = fetch_step(
+                    words, base + STAGES_AT, q, dout, lse_in, delta, b, heads_q, h_next,
+                    step_tile(visible, cb, h_next * mask_steps[1], tile, t_next), n_q, d, d_v)
                 if tid < QB:
-                    stats[0, 0, tid], stats[0, 1, tid] = row_stats(
-                        lse_in, delta, b, h_next, q_next + tid, n_q, True, float32(1.0))
+                    stats[0, 0, tid], stats[0, 1, tid] = lse_next, delta_next
             stage = 0
             while h_next < h_end:  # the group's heads in order, their steps in order
                 h, t = h_next, t_next
@@ -302,11 +320,11 @@ def dkdv_kernel_source(spec):
                 cuda.syncthreads()
                 lse_next, delta_next = float32(0.0), float32(0.0)
                 if h_next < h_end:  # the next step's tile, into the other stage
-                    q_next = step_tile(visible, cb, h_next * mask_steps[1], tile, t_next)
-                    copy_step(words, base + STAGES_AT + (1 - stage) * STAGE, q, dout,
-                              (int64(b) * heads_q + h_next) * n_q, q_next, n_q, d, d_v)
-                    lse_next, delta_next = row_stats(lse_in, delta, b, h_next, q_next + tid,
-                                                     n_q, tid < QB, float32(1.0))
+                    lse_next, delta_next = fetch_step(
+                        words, base + STAGES_AT + (1 - stage) * STAGE, q, dout, lse_in, delta,
+                        b, heads_q, h_next,
+                        step_tile(visible, cb, h_next * mask_steps[1], tile, t_next), n_q, d,
+                        d_v)
                 at = base + STAGES_AT + stage * STAGE
                 scores(words, base + K_AT, at, base + V_AT, at + DO_AT, s, dp)  # S^T, dP^T
                 probabilities(s, dp, stats, stage, qk_scale, mask, bias, mask_steps,

@@ -313,9 +313,9 @@ def hopper_note(pb):
 
     if SIMULATOR or wgmma_why_not(pb) is not None:
         return ""
-    return ("; on this GPU kernel='wgmma' (Hopper's warpgroup tensor cores) is faster for "
-            "calls without gradients: 'auto' keeps mma.sync, whose backward recomputes the "
-            "forward's scores bit for bit")
+    return ("; on this GPU kernel='wgmma' (Hopper's warpgroup tensor cores, forward and "
+            "backward) is faster: 'auto' keeps mma.sync until verify's suites have certified "
+            "the wgmma pair on a GPU")
 
 
 def hopper_why_not():

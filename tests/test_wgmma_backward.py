@@ -124,3 +124,43 @@ def test_autograd_after_a_wgmma_forward_runs_the_wgmma_backward(monkeypatch):
     q = torch.zeros((1, 1, 8, 64), dtype=torch.float16, device=device, requires_grad=True)
     flash_attention(q, q, q, kernel="wgmma").sum().backward()
     assert ran == ["wgmma"]
+
+
+# (B, Hq, Hk, Nq, Nk, D, Dv, dtype, options) on the GPU: the run of 2026-12-07 (H100) found
+# every gradient bitwise the mma.sync backward's, causal, window, mask and block table alike
+GPU_CASES = {
+    "causal bottom_right, GQA 2:1": (1, 4, 2, 1000, 777, 64, 64, "float16",
+                                     dict(causal="bottom_right")),
+    "window, Dv != D": (1, 4, 4, 300, 700, 128, 64, "float16", dict(window=(100, 20))),
+    "mask read, D 128 (query tiles of 32)": (1, 2, 2, 1024, 1024, 128, 128, "bfloat16",
+                                             dict(mask="mask", causal="top_left")),
+    "block table read as it is": (1, 2, 2, 1000, 1000, 128, 128, "bfloat16",
+                                  dict(mask="blocks")),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SIMULATOR or hopper_why_not() is not None,
+                    reason="a Hopper GPU test" if SIMULATOR else str(hopper_why_not()))
+@pytest.mark.parametrize("name", list(GPU_CASES))
+def test_on_a_hopper_gpu_the_wgmma_backward_is_the_mma_backward_bit_for_bit(name):
+    """wgmma and mma.sync sum alike on the GPU too: the same gradients, bit for bit, so the
+    wgmma pair recomputes its forward's scores as the mma.sync pair does (docs/findings.md,
+    bug 10: a backward whose scores differ gives P far from exp(S - lse))."""
+    torch = pytest.importorskip("torch")
+    (q, k, v, dout), options = _inputs(*GPU_CASES[name])
+    if "block_mask" in options:  # blocks of 128 here: 8 x 8 of them
+        table = np.random.default_rng(1).random((1, 1, 8, 8)) < 0.3
+        table[0, 0, np.arange(8), np.arange(8)] = True
+        options.update(block_mask=table, block_size=128)
+    dtype = getattr(torch, GPU_CASES[name][7])  # (NumPy's bfloat16 is not torch's)
+    q, k, v, dout = (torch.from_numpy(x.astype(np.float32)).cuda().to(dtype)
+                     for x in (q, k, v, dout))
+    options = {n: torch.from_numpy(x).cuda() if isinstance(x, np.ndarray) else x
+               for n, x in options.items()}
+    out, lse = flash_attention(q, k, v, return_lse=True, kernel="wgmma", **options)
+    want = flash_attention_backward(q, k, v, out, lse, dout, kernel="mma", **options)
+    got = flash_attention_backward(q, k, v, out, lse, dout, kernel="wgmma", **options)
+    for grad, x, y in zip(("dq", "dk", "dv"), want, got):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16)), (
+            grad, float((x.float() - y.float()).abs().max()))
