@@ -113,13 +113,20 @@ def _setup_context(ctx, inputs, output):
     (q, k, v, mask, bias, kv_lengths, scale, causal, window, _, kernel, precision, block_mask,
      block_size) = inputs
     out, lse = output
+    # An output the loss does not use gets None, not zeros: a dlse of zeros would cost a
+    # subtraction, and a backward with dlse is never replayed (replay.py).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(q, k, v, out, lse, mask, bias, kv_lengths, block_mask)
     ctx.options = (scale, causal, window, BACKWARD_KERNEL[kernel], precision)
     ctx.block_size = block_size
 
 
 def _backward(ctx, dout, dlse):
+    """The gradients of q, k, v for the incoming dout and dlse (None where the loss does not
+    use out or lse: dout then zeros, dlse left out)."""
     q, k, v, out, lse, mask, bias, kv_lengths, block_mask = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
     dq, dk, dv = _attention_backward(q, k, v, out, lse, dout, dlse, mask, bias, kv_lengths,
                                      *ctx.options, block_mask, ctx.block_size)
     return (dq, dk, dv) + (None,) * 11

@@ -50,6 +50,34 @@ def test_gradients_of_out_and_lse_match_float64_autograd(name):
         assert err < 2e-6, f"{what}: {err}"
 
 
+def test_an_output_the_loss_does_not_use_sends_no_gradient(monkeypatch):
+    """A loss of out alone reaches the backward with dlse None (zeros would cost a
+    subtraction, and a backward with dlse is never replayed); a loss of lse alone with dout
+    zeros. Either way the gradients are flash_attention_backward's for those."""
+    from numba_kernels import autograd, flash_attention_backward
+
+    seen = []
+    on_device = autograd.on_device
+
+    def spy(fn, arrays, opts, **kw):
+        if "dlse" in opts:
+            seen.append((opts["dlse"], arrays[5]))
+        return on_device(fn, arrays, opts, **kw)
+
+    monkeypatch.setattr(autograd, "on_device", spy)
+    g = torch.Generator().manual_seed(2)
+    q, k, v, dout = (torch.randn(1, 2, 9, 8, generator=g).half() for _ in range(4))
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    for loss, want in ((lambda o, s: (o * dout).sum(), (dout, None)),
+                       (lambda o, s: s.sum(), (torch.zeros_like(out), torch.ones_like(lse)))):
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        loss(*flash_attention(*xs, return_lse=True)).backward()
+        dlse, got_dout = seen.pop()
+        assert (dlse is None) == (want[1] is None) and torch.equal(got_dout, want[0])
+        grads = flash_attention_backward(q, k, v, out, lse, want[0], dlse=want[1])
+        assert all(torch.equal(x.grad, w) for x, w in zip(xs, grads))
+
+
 def test_one_opaque_operator_under_torch_compile():
     graphs = []
 
