@@ -37,7 +37,7 @@ def attention(q, k, v, *, scale=None, causal=False, mask=None, bias=None, kv_len
     precision and the kernel are chosen here, once (plan.kernel_plan, PyTorch's precision
     setting when None), and the backward follows them: a "simt" forward's gradients come
     from the "tuned" kernels, an "mma" forward's from the tensor cores, a "wgmma" forward's
-    from the tensor cores with dK and dV on wgmma (plan.BACKWARD_KERNEL), whose scores are
+    from the warpgroup tensor cores (plan.BACKWARD_KERNEL), whose scores are
     the forward's bit for bit (at large scores, other scores than the ones the forward's lse
     was made from give P far from exp(S - lse): docs/findings.md, bug 10)."""
     plan = kernel_plan(q, k, v, scale=scale, causal=causal, mask=mask, bias=bias,

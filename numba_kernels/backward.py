@@ -1,7 +1,7 @@
 """flash_attention_backward: the contract's gradients from the backward kernels (flash_mma_bwd.py
-on tensor cores, for 16-bit inputs, with flash_wgmma_bwd.py's dK, dV on Hopper's; flash_bwd.py,
-tuned SIMT; plain_bwd.py, one thread per key or row), with flash_attention's arguments, checks
-and array handling."""
+on tensor cores, for 16-bit inputs, and flash_wgmma_bwd.py's on Hopper's; flash_bwd.py, tuned
+SIMT; plain_bwd.py, one thread per key or row), with flash_attention's arguments, checks and
+array handling."""
 import numpy as np
 
 from reference.contract import BLOCK_SIZE, array_dtype, shape4
@@ -46,9 +46,9 @@ def flash_attention_backward(q, k, v, out, lse, dout, *, scale=None, causal=Fals
     mask or bias up to 64; ValueError where it does not apply; float32's scores are the
     forward's bit for bit when out and lse came from flash_attention(kernel="mma"): after
     the SIMT forward's take "tuned", whose scores round as that forward's do), "wgmma"
-    (after flash_attention(kernel="wgmma"): "mma" with dK and dV on Hopper's warpgroup
-    tensor cores, flash_wgmma_bwd.py; float16 and bfloat16 on a GPU of compute capability
-    9.0; ValueError elsewhere), "tuned" (flash_bwd.py, register micro-tiles over
+    (after flash_attention(kernel="wgmma"): "mma"'s kernels on Hopper's warpgroup tensor
+    cores, flash_wgmma_bwd.py, their nonfinite variants mma's; float16 and bfloat16 on a GPU
+    of compute capability 9.0; ValueError elsewhere), "tuned" (flash_bwd.py, register micro-tiles over
     shared-memory tiles) or "plain" (plain_bwd.py, one thread per key or row: the one to
     read first). Every kernel keeps a NaN or an inf in a pair that takes no part out of
     the gradients: the tensor-core kernels flag the tiles of q, k and dout that hold one

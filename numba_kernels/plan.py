@@ -19,7 +19,7 @@ from .specs import DTYPES, choose_spec
 KERNELS = ("simt", "mma", "wgmma", "auto")  # the forward's kernel=
 BACKWARD_KERNELS = ("plain", "tuned", "mma", "wgmma", "auto")  # the backward's kernel=
 # the backward kernel that follows each forward kernel: "tuned" rounds its scores as the SIMT
-# forward does, "mma" and "wgmma" recompute their forward's (tests/test_gpu.py checks wgmma's)
+# forward does, "mma" and "wgmma" recompute their forward's (tests/test_wgmma_backward.py)
 BACKWARD_KERNEL = {"simt": "tuned", "mma": "mma", "wgmma": "wgmma"}
 PRECISIONS = ("highest", "high")  # PyTorch's float32 matmul precisions ("medium" as "high")
 FLOAT32_MIN_ROWS = 64  # "auto": float32 with fewer query rows (decoding) stays on SIMT

@@ -14,7 +14,7 @@ what "auto" runs for float32 by default, precision "highest", from 64 query rows
 mask or bias), numba-mma-backward (the same at precision "high", mma.sync's own sums),
 numba-mma (the tensor-core kernels alone:
 flash_mma.py's forward, flash_mma_bwd.py's backward), numba-wgmma (the forward on Hopper's
-warpgroup tensor cores, flash_wgmma.py, and the backward with dK, dV on them,
+warpgroup tensor cores, flash_wgmma.py, and the backward on them,
 flash_wgmma_bwd.py), numba-ring and numba-allgather (ring attention and the seed's all-gather
 scheme across ranks: with world_size, verify/distributed.py), torch-math, torch-efficient,
 torch-flash, torch-cudnn (PyTorch's SDPA backends), torch-cp-efficient, torch-cp-flash,
@@ -430,8 +430,8 @@ def _numba_wgmma():
     """Our kernels on Hopper's warpgroup tensor cores: the forward of
     numba_kernels/flash_wgmma.py (flash_attention(kernel="wgmma"): blocks where a row ends
     non-finite are done again by flash_mma.py's careful variant) and the backward of
-    flash_attention_backward(kernel="wgmma") (dK and dV by flash_wgmma_bwd.py, dQ and the
-    blocks whose tiles hold a NaN or an inf by flash_mma_bwd.py); float16 and bfloat16,
+    flash_attention_backward(kernel="wgmma") (flash_wgmma_bwd.py; the blocks whose tiles
+    hold a NaN or an inf by flash_mma_bwd.py's nonfinite variants); float16 and bfloat16,
     head dims multiples of 8 up to 128, a GPU of compute capability 9.0 or the simulator."""
     from numba_kernels import (MMA_DTYPES, MMA_WIDTHS, SIMULATOR, flash_attention,
                                flash_attention_backward)
