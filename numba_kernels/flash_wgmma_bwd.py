@@ -42,8 +42,8 @@ from .flash_mma_bwd import (BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, deferred_block, i
                             zero)
 from .flash_wgmma import (ALIGN_WORDS, GROUP_BYTES, KEYS, ROW_WORDS, WGMMA_CC, make_pv,
                           make_scores)
-from .mma_parts import (BLOCK_N, MMA_DTYPES, MMA_WIDTHS, THREADS, make_copy_tile,
-                        make_scale_and_mask)
+from .mma_parts import (BLOCK_N, MMA_DTYPES, MMA_WIDTHS, THREADS, make_copy_kv,
+                        make_copy_tile, make_scale_and_mask)
 from .schedule import grid_order, key_tiles
 
 PARTS = ("dkdv", "dq")
@@ -167,13 +167,12 @@ def make_copy_pair(ROWS, D, DV, SECOND_AT):
     head of x (D wide) and of y (DV wide), whose row 0 is flat row `row_at`, to the tiles at
     word `at` and SECOND_AT words after it (zeros past row n): one group of copies, not
     waited for."""
-    copy_x = make_copy_tile(ROWS, D, ROW_WORDS, SWIZZLED=True)
-    copy_y = make_copy_tile(ROWS, DV, ROW_WORDS, SWIZZLED=True)
+    copy = make_copy_kv(make_copy_tile(ROWS, D, ROW_WORDS, SWIZZLED=True),
+                        make_copy_tile(ROWS, DV, ROW_WORDS, SWIZZLED=True), SECOND_AT)
 
     @kernel_part
     def copy_pair(words, at, x, y, row_at, start, n, d, d_v):
-        copy_x(words, at, x, row_at * d, start, n, d)
-        copy_y(words, at + SECOND_AT, y, row_at * d_v, start, n, d_v)
+        copy(words, at, x, y, row_at * d, row_at * d_v, start, n, d, d_v)
         warp.cp_async_commit()
 
     return copy_pair

@@ -302,7 +302,7 @@ def variants(forward, backward=None):
     before a run: forward "simt" (flash_attention(kernel="simt")), "plain", "mma" or "wgmma",
     with the split-KV merges; backward None, "plain", "tuned", "mma" or "wgmma" (with the
     delta kernel; "mma" and "wgmma" with the pre-pass that flags tiles holding a NaN or an
-    inf; "wgmma" with mma's, whose dQ and nonfinite variants it launches)."""
+    inf; "wgmma" with mma's, whose nonfinite variants it launches)."""
     fwd = {"simt": shipped_specs() + classes_specs(), "plain": plain_specs(HEAD_DIMS),
            "mma": mma_specs() + halves_specs() + classes_specs(),
            "wgmma": wgmma_specs() + [s for s in mma_specs() if s.careful] + classes_specs()}
