@@ -9,10 +9,12 @@ history, make the worktrees where it has it and bring the folder along). Both ru
 calls of the public API (flash_attention and flash_attention_backward, by kernel= and
 precision=) on the same inputs: the SIMT and tensor-core forwards in every dtype (mma.sync,
 and wgmma on a Hopper GPU), float32 on halves, split-KV decoding, the plain, tuned and
-tensor-core backwards, block-sparse forwards (a table of 128 x 128 blocks, `block_mask=`,
-11.8% or all of them kept, and the boolean mask it stands for). Each call is timed by CUDA
-events (median of repeats worth about 0.2 s, after a warm-up call that also compiles), old
-and new alternating for --rounds rounds. Prints, per call: whether the outputs are bitwise equal, each revision's
+tensor-core backwards (wgmma's too), autograd steps (the forward and
+torch.autograd.grad of its output, the host's time between launches counted),
+block-sparse calls (a table of 128 x 128 blocks, `block_mask=`, 11.8% or all of them kept,
+and the boolean mask it stands for). Each call is timed by CUDA events (median of repeats
+worth about 0.2 s, after a warm-up call that also compiles), old and new alternating for
+--rounds rounds. Prints, per call: whether the outputs are bitwise equal, each revision's
 median time and new / old. Exit status 1 where an output differs.
 """
 import argparse
@@ -66,9 +68,18 @@ CALLS = {
                                 dict(kernel="mma", blocks=(0.118, "table"))),
     "mma bwd bf16 blocks all": ("bwd", (1, 16, 8192, 8192, 128), "bfloat16",
                                 dict(kernel="mma", blocks=(1.0, "table"))),
+    "wgmma bwd bf16": ("bwd", (2, 16, 8192, 8192, 128), "bfloat16", dict(kernel="wgmma")),
+    "wgmma bwd bf16 d64": ("bwd", (4, 16, 4096, 4096, 64), "bfloat16", dict(kernel="wgmma")),
+    "wgmma bwd bf16 blocks 12%": ("bwd", (1, 16, 8192, 8192, 128), "bfloat16",
+                                  dict(kernel="wgmma", blocks=(0.118, "table"))),
+    # "step": one autograd step, the forward and torch.autograd.grad of its output
+    "wgmma step bf16 blocks 12%": ("step", (1, 16, 8192, 8192, 128), "bfloat16",
+                                   dict(kernel="wgmma", blocks=(0.118, "table"))),
+    "mma step bf16 blocks 12%": ("step", (1, 16, 8192, 8192, 128), "bfloat16",
+                                 dict(kernel="mma", blocks=(0.118, "table"))),
 }
 BLOCK = 128  # the block-sparse calls' block size
-FORWARD_OF = {"tuned": "simt", "plain": "simt", "mma": "mma"}
+FORWARD_OF = {"tuned": "simt", "plain": "simt", "mma": "mma", "wgmma": "wgmma"}
 
 
 def main():
@@ -161,6 +172,9 @@ def run_calls(root, results, names, quick):
             call = lambda: nk.flash_attention(q, k, v, return_lse=True, **options)  # noqa: E731
         elif fn == "fwd-plain":
             call = lambda: nk.plain_attention(q, k, v, return_lse=True, **options)  # noqa: E731
+        elif fn == "step":
+            dout = torch.randn(q.shape[:3] + v.shape[3:], device="cuda", generator=g).to(dt)
+            call = lambda: autograd_step(nk, q, k, v, dout, options)  # noqa: E731
         else:
             fwd = dict(options, kernel=FORWARD_OF[options["kernel"]])
             out, lse = nk.flash_attention(q, k, v, return_lse=True, **fwd)
@@ -177,6 +191,17 @@ def run_calls(root, results, names, quick):
     with open(results + ".json", "w") as f:
         json.dump(times, f)
     return 0
+
+
+def autograd_step(nk, q, k, v, dout, options):
+    """out and the gradients of q, k and v for dout, through flash_attention's autograd
+    operator (grad mode on whatever the caller's)."""
+    import torch
+
+    with torch.enable_grad():
+        q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+        out = nk.flash_attention(q, k, v, **options)
+        return (out.detach(),) + torch.autograd.grad(out, (q, k, v), dout)
 
 
 def block_options(options, n_q, n_k, generator):
