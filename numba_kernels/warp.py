@@ -29,7 +29,9 @@ cp.async.cg.shared.global: 16 bytes from global to shared memory without passing
 registers, zero-filled past n_bytes; copies are grouped by cp_async_commit and waited for by
 cp_async_wait(n) (all but the newest n groups have landed), then a barrier makes them visible
 to the other threads. The simulator performs a group's copies when it is waited for, the
-latest moment the hardware may: a kernel that reads before it waits reads stale data there too.
+latest moment the hardware may: a kernel that reads before it waits reads stale data there too;
+copies_in_flight tells which shared words have a copy issued into them and not landed, where
+the hardware may write at any moment (warpgroup.wgmma_wait refuses operands with one).
 """
 import threading
 
@@ -192,6 +194,9 @@ if SIMULATOR:
     # waiting in a meeting (till MEETING_TIMEOUT_S), which the next launch must not join
     _meetings, _meetings_lock = weakref.WeakKeyDictionary(), threading.Lock()
     _pending = threading.local()  # a thread's asynchronous copies not yet landed
+    # id of a shared array's memory -> (a weak reference to it, a count a word of the copies
+    # into it issued and not landed), for copies_in_flight
+    _flights, _flights_lock = {}, threading.Lock()
 
     class _Meeting:
         """Where the lanes of one simulated warp exchange values: each puts its own in and
@@ -334,12 +339,41 @@ if SIMULATOR:
             _pending.groups, _pending.open = [], []
         return _pending
 
+    def _flight(words):
+        """(the count a word of copies in flight into the memory words is a view of, the
+        word of that memory words[0] is)."""
+        memory = words
+        while isinstance(memory.base, np.ndarray):
+            memory = memory.base
+        offset = (words.__array_interface__["data"][0]
+                  - memory.__array_interface__["data"][0]) // 4
+        with _flights_lock:
+            held, counts = _flights.get(id(memory), (None, None))
+            if held is None or held() is not memory:
+                for key in [key for key, (ref, _) in _flights.items() if ref() is None]:
+                    del _flights[key]
+                counts = np.zeros(memory.nbytes // 4, np.int64)
+                _flights[id(memory)] = (weakref.ref(memory), counts)
+        return counts, offset
+
+    def copies_in_flight(words, index):
+        """Whether a cp.async into words[index] (an array of word indices) has been issued
+        and has not landed (the simulator's; warpgroup.wgmma_wait checks its operands)."""
+        counts, offset = _flight(words)
+        return counts[offset + index] > 0
+
+    def _count_flight(words, w_index, change):
+        counts, offset = _flight(words)
+        with _flights_lock:
+            counts[offset + w_index:offset + w_index + 4] += change
+
     def cp_async16(words, w_index, src, s_index, n_bytes):
         """Read now (the inputs do not change during a kernel), written when waited for."""
         flat = np.asarray(src).reshape(-1)  # s_index: a flat element index (C order)
         bits = flat[s_index:s_index + n_bytes // 2].view(np.uint16)
         values = [int(x) for x in bits] + [0] * (8 - n_bytes // 2)
         _groups().open.append((words, w_index, values))
+        _count_flight(words, w_index, 1)
 
     def cp_async_commit():
         p = _groups()
@@ -352,6 +386,7 @@ if SIMULATOR:
             for words, at, values in p.groups.pop(0):
                 for w in range(4):
                     words[at + w] = np.uint32(pack_bits(values[2 * w], values[2 * w + 1]))
+                _count_flight(words, at, -1)
 
 else:
     from llvmlite import ir

@@ -43,9 +43,11 @@ barrier for other threads' stores); wgmma_fence before the first wgmma that read
 written since; wgmma_commit closes a group of issued products; wgmma_wait(n) returns when at
 most n groups are still pending, and only then do the accumulators hold the result. The
 simulator computes a product when it is issued (the earliest the hardware may read its
-operands): a kernel that overwrites an operand before waiting is wrong on the GPU and not
-caught here; one that reads the accumulators before waiting reads the result here and
-garbage there.
+operands) and checks, when wgmma_wait retires its group, that none of the shared words it
+read has changed or has a cp.async in flight into it (the hardware may read them until
+then): a kernel that overwrites an operand before waiting raises there, where the simulated
+threads run in an order that shows it. One that reads the accumulators before waiting reads
+the result here and garbage there.
 
 setmaxnreg_dec(n) / setmaxnreg_inc(n) (n a literal, a multiple of 8 from 24 to 256): every
 thread of a warpgroup lowers, or raises, its warpgroup's registers a thread to n, so that a
@@ -53,6 +55,8 @@ producer warpgroup gives registers to consumer ones (warp specialization). The k
 compiled for a known register count (launch bounds: compile_cache.jit's launch_bounds). The
 simulator checks n and does nothing else.
 """
+import threading
+
 import numpy as np
 from numba import cuda
 
@@ -201,16 +205,40 @@ if SIMULATOR:
         pass
 
     def wgmma_commit():
-        pass
+        groups = _groups()
+        groups["committed"].append(groups["open"])
+        groups["open"] = []
 
     def wgmma_wait(n):
-        pass
+        """Retire all but the n newest committed groups, checking that no shared word
+        their products read has changed since they were issued."""
+        committed = _groups()["committed"]
+        while len(committed) > n:
+            for words, index, seen in committed.pop(0):
+                changed = np.flatnonzero((np.asarray(words)[index] != seen)
+                                         | warp.copies_in_flight(words, index))
+                if changed.size:
+                    raise RuntimeError(
+                        f"wgmma_wait: shared word {int(index.reshape(-1)[changed[0]])} that a "
+                        "product of this group reads changed, or has a cp.async in flight "
+                        "into it, before the group was waited for (the GPU may read an "
+                        "operand until wgmma_wait retires its group)")
 
     def setmaxnreg_inc(n):
         check_registers(n)
 
     def setmaxnreg_dec(n):
         check_registers(n)
+
+    _THREAD_GROUPS = threading.local()  # per simulated thread: its wgmma groups
+
+    def _groups():
+        """This thread's products since its last wgmma_commit ("open") and its committed
+        groups not yet retired, oldest first: each product's shared operands as read."""
+        groups = _THREAD_GROUPS.__dict__
+        if "open" not in groups:
+            groups.update(open=[], committed=[])
+        return groups
 
     @device_function
     def _thread():
@@ -221,7 +249,10 @@ if SIMULATOR:
         """The operand's elements (rows[i], k[j]) (NumPy arrays that broadcast), float64."""
         words, start, lbo, sbo, swizzle = desc
         at = operand_address(start, rows, k, lbo, sbo, swizzle, mn_major)
-        word = np.asarray(words)[at // 4].astype(np.int64) & 0xFFFFFFFF
+        index = at // 4
+        read = np.asarray(words)[index]
+        _groups()["open"].append((words, index, read.copy()))  # wgmma_wait's check
+        word = read.astype(np.int64) & 0xFFFFFFFF
         return bits_value(np.where(at % 4, word >> 16, word & 0xFFFF), dtype)
 
     def _products(a_rows, desc_b, acc, dtype, mn_major):

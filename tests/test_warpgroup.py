@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from numba_kernels import warpgroup
+from numba_kernels import warp, warpgroup
 from numba_kernels.convert import SIMULATOR, uint32
 from numba_kernels.warp import bits_value
 from tests.assembly import run_compiler_script
@@ -202,6 +202,56 @@ def test_a_wrong_fragment_layout_is_caught():
                                          got[16 * w + g, 8 * j + 2 * q + 1],
                                          got[16 * w + g + 8, 8 * j + 2 * q + 1])
     assert not np.array_equal(warpgroup.accumulator_matrix(frags), want)
+
+
+def make_overwrite(how):
+    """128 threads: one m64n8k16 from shared memory, committed; thread 0 then changes a word
+    of A: after wgmma_wait ("after wait"), or before it, by a store ("store") or by a cp.async
+    it waits for only after wgmma_wait ("cp.async": the race of a two-stage ring whose copy
+    into a stage is issued before the products reading that stage are waited for)."""
+    lbo, sbo = b_offsets(64, 1, 0, False)
+    b_lbo, b_sbo = b_offsets(8, 1, 0, False)
+    WAIT_FIRST, BY_COPY = how == "after wait", how == "cp.async"
+
+    @cuda.jit
+    def overwrite(zeros, out):
+        words = cuda.shared.array(64 * 8 + 8 * 8, uint32)
+        t = cuda.threadIdx.x
+        for i in range(t, 64 * 8 + 8 * 8, 128):
+            words[i] = 0x3C003C00  # float16 ones
+        warpgroup.fence_proxy_async()
+        cuda.syncthreads()
+        warpgroup.wgmma_fence()
+        acc = warpgroup.mma_async_f16(warpgroup.descriptor(words, 0, lbo, sbo, 0),
+                                      warpgroup.descriptor(words, 64 * 8, b_lbo, b_sbo, 0),
+                                      warpgroup.accumulator(4))
+        warpgroup.wgmma_commit()
+        if WAIT_FIRST:
+            warpgroup.wgmma_wait(0)
+        cuda.syncthreads()
+        if t == 0:
+            if BY_COPY:
+                warp.cp_async16(words, 0, zeros, 0, 16)
+                warp.cp_async_commit()
+            else:
+                words[0] = 0
+        cuda.syncthreads()
+        warpgroup.wgmma_wait(0)
+        cuda.syncthreads()  # every thread's products retired before the copy lands
+        warp.cp_async_wait(0)
+        out[t] = acc[0]
+
+    return overwrite
+
+
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's ordering check")
+@pytest.mark.parametrize("how", ["store", "cp.async"])
+def test_an_operand_overwritten_before_its_group_is_waited_for_is_caught(how):
+    zeros, out = np.zeros(8, np.float16), np.zeros(128, np.float32)
+    make_overwrite("after wait")[1, 128](zeros, out)
+    assert (out == 16).all()
+    with pytest.raises(RuntimeError, match="before the group was waited for"):
+        make_overwrite(how)[1, 128](zeros, out)
 
 
 @pytest.mark.skipif(not SIMULATOR, reason="the simulator's alignment check")
