@@ -15,8 +15,7 @@ from .flash_mma_bwd import (BLOCK as MMA_BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, MmaB
                             kv_parts, mma_bwd_kernel)
 from .flash_wgmma_bwd import WgmmaBwdSpec, wgmma_bwd_kernel
 from .launch import launch
-from .mma_parts import (BLOCK_N as MMA_KEY_TILE, THREADS as MMA_THREADS, full_tiles_apply,
-                        mma_width)
+from .mma_parts import THREADS as MMA_THREADS, full_tiles_apply, mma_width
 from .plain_bwd import DELTA_ROWS, DELTA_THREADS, plain_bwd_kernel
 from .plain_fwd import plain_tiles
 from .plan import backward_plan, halves_summed, resolve_precision

@@ -19,11 +19,11 @@ from .common import (ARGS, FASTMATH, F_LN2, NEG_INF, NO_PART, ZERO, bias_given, 
 from .compile_cache import jit
 from .convert import CONVERTERS, float32, int64, uint32
 from .mma_parts import (BLOCK_M, BLOCK_N, EXPONENT_BITS, FACTORS, FLAG_ROWS,
-                        MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, THREADS, WARPS, halves_ship,
-                        make_copy_kv, make_copy_tile, make_load_q_fragments, make_next_tile,
-                        make_pv, make_pv_seen_pairs, make_q_scores, make_scale_and_mask,
-                        make_scores, make_unpacked, own_flagged, row_max, tiles_flagged,
-                        word_nonfinite)
+                        MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, THREADS, WARPS, TensorCoreVariant,
+                        halves_ship, make_copy_kv, make_copy_tile, make_load_q_fragments,
+                        make_next_tile, make_pv, make_pv_seen_pairs, make_q_scores,
+                        make_scale_and_mask, make_scores, make_unpacked, own_flagged, row_max,
+                        tiles_flagged, word_nonfinite)
 from .schedule import grid_order_grouped, key_range_device, key_tiles
 
 DEFERRED = ("deferred", "flags", "(splits * B, Hq, query tiles) uint8: 1 where a block of the "
@@ -46,7 +46,7 @@ FULL_TILES_BLOCKS_PER_SM = 3  # launch_bounds': 65536 registers / (3 * 128) -> 1
 
 
 @dataclass(frozen=True)
-class MmaSpec:
+class MmaSpec(TensorCoreVariant):
     """One compiled variant: padded head dims, input dtype, whether it reads a mask/bias."""
 
     d: int
@@ -71,11 +71,6 @@ class MmaSpec:
             raise ValueError("MmaSpec: full_tiles is for the fast 16-bit variants with a mask "
                              f"only, got {self}")
         return self
-
-    @property
-    def halves(self):
-        """Whether each operand is two float16 halves (float32 inputs)."""
-        return self.dtype == "float32"
 
     @property
     def q_hi_shared(self):

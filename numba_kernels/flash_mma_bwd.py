@@ -25,11 +25,11 @@ from .common import (DKDV_ARGS, DQ_ARGS, FASTMATH, F_LOG2E, NEG_INF, NO_PART, ZE
                      with_visible)
 from .schedule import grid_order, key_range_device, key_tiles
 from .mma_parts import (BLOCK_N as KEY_TILE, EXPONENT_BITS, FACTORS, FLAG_ROWS, MMA_DTYPES,
-                        MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, THREADS, WARPS, halves_ship,
-                        make_copy_kv, make_copy_tile, make_load_q_fragments, make_mma_pair,
-                        make_next_tile, make_pv, make_pv_seen_pairs, make_q_scores,
-                        make_scale_and_mask, make_scores, make_unpacked, own_flagged,
-                        tiles_flagged, word_nonfinite)
+                        MMA_INPUT_DTYPES, MMA_WIDTHS, PAD, THREADS, WARPS, TensorCoreVariant,
+                        halves_ship, make_copy_kv, make_copy_tile, make_load_q_fragments,
+                        make_mma_pair, make_next_tile, make_pv, make_pv_seen_pairs,
+                        make_q_scores, make_scale_and_mask, make_scores, make_unpacked,
+                        own_flagged, tiles_flagged, word_nonfinite)
 
 
 DEFERRED = ("deferred", "flags", "(B, H, blocks) uint8: 1 where a block's tiles hold a NaN or "
@@ -72,7 +72,7 @@ def kv_parts(dtype, d, dv, has_mask, summed=False):
 
 
 @dataclass(frozen=True)
-class MmaBwdSpec:
+class MmaBwdSpec(TensorCoreVariant):
     """One compiled variant of a tensor-core backward kernel."""
 
     part: str  # "dkdv" (or "dk" and "dv": kv_parts) or "dq"
@@ -100,11 +100,6 @@ class MmaBwdSpec:
         return self
 
     @property
-    def reads_mask(self):
-        """Whether the variant reads the mask and the bias (with a mask, not full_tiles)."""
-        return self.has_mask and not self.full_tiles
-
-    @property
     def grads_dtype(self):
         """The dtype the gradients are stored in."""
         return "float32" if self.float32_grads or self.halves else self.dtype
@@ -117,11 +112,6 @@ class MmaBwdSpec:
         return halves_ship(self.dtype, self.has_mask, self.d, self.dv) and (
             self.part == "dq" or self.part in kv_parts(self.dtype, self.d, self.dv,
                                                        self.has_mask, self.summed))
-
-    @property
-    def halves(self):
-        """Whether each operand is two float16 halves (float32 inputs)."""
-        return self.dtype == "float32"
 
     @property
     def dynamic_shared_bytes(self):

@@ -37,8 +37,8 @@ from .convert import CONVERTERS, float32, int64, uint32
 from .flash_mma import (MMA_ARG_NAMES, ONE, hand_over, head_bases, make_acc_finite,
                         make_init_rows, make_rescale, make_row_update, make_store_out,
                         make_this_block)
-from .mma_parts import (BLOCK_M, BLOCK_N, MMA_DTYPES, MMA_WIDTHS, make_copy_tile,
-                        make_scale_and_mask)
+from .mma_parts import (BLOCK_M, BLOCK_N, MMA_DTYPES, MMA_WIDTHS, TensorCoreVariant,
+                        make_copy_tile, make_scale_and_mask)
 from .schedule import key_tiles
 
 KEYS = 64  # keys a tile: S is one m64n64 accumulator, 32 floats a thread
@@ -50,8 +50,23 @@ K_MAJOR_LBO = 16  # unread: a step's 32 bytes of K lie within one swizzled row
 WGMMA_CC = (9, 0, "a")  # wgmma exists on sm_90a alone
 
 
+class WgmmaVariant(TensorCoreVariant):
+    """What a wgmma kernel's variant (WgmmaSpec, flash_wgmma_bwd's WgmmaBwdSpec: dataclasses
+    with a layout property) adds: sm_90a, and its tiles in dynamic shared memory."""
+
+    @property
+    def cc(self):
+        """The compute capability the variant compiles for (the PTX gate's)."""
+        return WGMMA_CC
+
+    @property
+    def dynamic_shared_bytes(self):
+        """Bytes of dynamic shared memory a launch passes (above 48 KB)."""
+        return 4 * self.layout["words"]
+
+
 @dataclass(frozen=True)
-class WgmmaSpec:
+class WgmmaSpec(WgmmaVariant):
     """One compiled variant: padded head dims, input dtype (16-bit), whether it walks
     visible lists and reads a mask or bias, whether out is float32 partials (split-KV, or
     float32_out), whether every listed tile is FULL (full_tiles: a block mask alone, as
@@ -76,21 +91,6 @@ class WgmmaSpec:
         return self
 
     @property
-    def reads_mask(self):
-        """Whether the variant reads the mask and the bias (with a mask, not full_tiles)."""
-        return self.has_mask and not self.full_tiles
-
-    @property
-    def halves(self):
-        """Never float32 as halves (specs.mma_signature asks)."""
-        return False
-
-    @property
-    def cc(self):
-        """The compute capability the variant compiles for (the PTX gate's)."""
-        return WGMMA_CC
-
-    @property
     def layout(self):
         """Where the shared tiles start, in 32-bit words after the 1024-byte aligned start:
         Q (`q_at`), stage s's K tile (`k_at` + s `stage`) and V tile (`v_at` + s `stage`);
@@ -99,11 +99,6 @@ class WgmmaSpec:
                                      KEYS * self.dv // 2)
         return dict(q_at=0, k_at=q_words, v_at=q_words + k_words, stage=k_words + v_words,
                     words=q_words + 2 * (k_words + v_words) + ALIGN_WORDS)
-
-    @property
-    def dynamic_shared_bytes(self):
-        """Bytes of dynamic shared memory a launch passes (above 48 KB at D = 128)."""
-        return 4 * self.layout["words"]
 
 
 def wgmma_specs():

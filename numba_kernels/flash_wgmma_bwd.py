@@ -40,7 +40,7 @@ from .flash_mma_bwd import (BLOCK, MMA_DKDV_ARGS, MMA_DQ_ARGS, deferred_block, i
                             make_interior, make_kv_probabilities, make_q_probabilities,
                             make_query_tiles, make_query_walk, make_store_rows, row_stats,
                             zero)
-from .flash_wgmma import (ALIGN_WORDS, GROUP_BYTES, KEYS, ROW_WORDS, WGMMA_CC, make_pv,
+from .flash_wgmma import (ALIGN_WORDS, GROUP_BYTES, KEYS, ROW_WORDS, WgmmaVariant, make_pv,
                           make_scores)
 from .mma_parts import (BLOCK_N, MMA_DTYPES, MMA_WIDTHS, THREADS, make_copy_kv,
                         make_copy_tile, make_scale_and_mask)
@@ -52,7 +52,7 @@ assert BLOCK == 64 and THREADS == warpgroup.WARPGROUP  # wgmma's M, one warpgrou
 
 
 @dataclass(frozen=True)
-class WgmmaBwdSpec:
+class WgmmaBwdSpec(WgmmaVariant):
     """One compiled variant of a wgmma backward kernel: the part ("dkdv" or "dq", as
     MmaBwdSpec's, with their arguments), padded head dims, 16-bit dtype, whether it walks
     visible lists and reads a mask or bias, whether every listed tile is FULL (full_tiles: a
@@ -73,16 +73,6 @@ class WgmmaBwdSpec:
         return self
 
     @property
-    def reads_mask(self):
-        """Whether the variant reads the mask and the bias (with a mask, not full_tiles)."""
-        return self.has_mask and not self.full_tiles
-
-    @property
-    def halves(self):
-        """Never float32 as halves (specs.mma_bwd_signature asks)."""
-        return False
-
-    @property
     def grads_dtype(self):
         """The dtype the gradients are stored in: the inputs'."""
         return self.dtype
@@ -101,11 +91,6 @@ class WgmmaBwdSpec:
         return (self.qb, BLOCK) if self.part == "dkdv" else (BLOCK, KEYS)
 
     @property
-    def cc(self):
-        """The compute capability the variant compiles for (the PTX gate's)."""
-        return WGMMA_CC
-
-    @property
     def layout(self):
         """Where the shared tiles start, in 32-bit words after the 1024-byte aligned start:
         the block's two tiles of 64 rows (dkdv: K at `k_at`, V at `v_at`; dq: Q at `q_at`,
@@ -120,11 +105,6 @@ class WgmmaBwdSpec:
             dict(q_at=0, do_at=block_words, v_at=walk_words)
         return dict(at, stages_at=stages_at, stage=walk_words + walk_v_words,
                     words=stages_at + 2 * (walk_words + walk_v_words) + ALIGN_WORDS)
-
-    @property
-    def dynamic_shared_bytes(self):
-        """Bytes of dynamic shared memory a launch passes (above 48 KB)."""
-        return 4 * self.layout["words"]
 
 
 def wgmma_bwd_specs():
@@ -178,21 +158,45 @@ def make_copy_pair(ROWS, D, DV, SECOND_AT):
     return copy_pair
 
 
-def make_fetch_step(QB, D, DV, DO_AT):
-    """fetch_step(words, at, q, dout, lse_in, delta, b, heads_q, h, start_q, n_q, d, d_v):
-    dkdv's next query tile (rows start_q .. + QB of head h's Q and dO) to the stage at word
-    `at`, one group of copies; returns this thread's row of the tile's statistics (lse in
-    log2 units, delta: flash_mma_bwd.row_stats; zeros past the tile), for the caller to
-    store beside it once the stage's readers are done."""
+def make_fetch_step(QB, D, DV, DO_AT, step_tile):
+    """fetch_step(words, at, q, dout, lse_in, delta, b, heads_q, h, visible, cb, mask_steps,
+    tile, t, n_q, d, d_v): dkdv's step (h, t) (make_query_walk's step_tile gives its query
+    tile: rows start_q .. + QB of head h's Q and dO) to the stage at word `at`, one group of
+    copies; returns this thread's row of the tile's statistics (lse in log2 units, delta:
+    flash_mma_bwd.row_stats; zeros past the tile), for keep_stats to store beside it once
+    the stage's readers are done."""
     copy_step = make_copy_pair(QB, D, DV, DO_AT)  # Q and dO
 
     @kernel_part
-    def fetch_step(words, at, q, dout, lse_in, delta, b, heads_q, h, start_q, n_q, d, d_v):
+    def fetch_step(words, at, q, dout, lse_in, delta, b, heads_q, h, visible, cb, mask_steps,
+                   tile, t, n_q, d, d_v):
+        start_q = step_tile(visible, cb, h * mask_steps[1], tile, t)
         copy_step(words, at, q, dout, (int64(b) * heads_q + h) * n_q, start_q, n_q, d, d_v)
         tid = cuda.threadIdx.x
         return row_stats(lse_in, delta, b, h, start_q + tid, n_q, tid < QB, float32(1.0))
 
     return fetch_step
+
+
+def make_keep_stats(QB):
+    @kernel_part
+    def keep_stats(stats, stage, lse, delta_row, tid):
+        """Thread tid's row of a stage's statistics (fetch_step's) into stats[stage]."""
+        if tid < QB:
+            stats[stage, 0, tid], stats[stage, 1, tid] = lse, delta_row
+
+    return keep_stats
+
+
+@kernel_part
+def stage_landed():
+    """Wait for this thread's copies (every group), make them visible to wgmma's reads
+    (the async proxy), then the block's barrier: every thread's copies have landed, and
+    every thread is past the products of the step before, so the stage those read is free
+    for the next copy."""
+    warp.cp_async_wait(0)
+    warpgroup.fence_proxy_async()
+    cuda.syncthreads()
 
 
 def instructions(spec):
@@ -242,6 +246,32 @@ def make_kv_gradients(spec):
     return gradients
 
 
+def make_kv_step(spec):
+    """kv_step(words, base, at, s, dp, dk_acc, dv_acc, stats, stage, qk_scale, mask, bias,
+    mask_steps, bias_steps, b, h, key0, start_n, start_q, n_q, kv_len, left, right,
+    bottom_right, read_mask, read_bias, lane): one step of the dK, dV walk, the query tile
+    start_q .. + qb in the stage at word `at` (its statistics in stats[stage]), the block's
+    K and V at base: S^T = K Q^T and dP^T = V dO^T, P^T and dS^T in their place, dV += P^T
+    dO and dK += dS^T Q."""
+    lay, QB = spec.layout, spec.qb
+    K_AT, V_AT, DO_AT = lay["k_at"], lay["v_at"], lay["do_at"]
+    scores, gradients = make_score_pair(spec, QB), make_kv_gradients(spec)
+    probabilities, interior = make_tile_probabilities(spec), make_interior(QB)
+
+    @kernel_part
+    def kv_step(words, base, at, s, dp, dk_acc, dv_acc, stats, stage, qk_scale, mask, bias,
+                mask_steps, bias_steps, b, h, key0, start_n, start_q, n_q, kv_len, left, right,
+                bottom_right, read_mask, read_bias, lane):
+        scores(words, base + K_AT, at, base + V_AT, at + DO_AT, s, dp)  # S^T, dP^T
+        probabilities(s, dp, stats, stage, qk_scale, mask, bias, mask_steps, bias_steps, b, h,
+                      key0, start_q, n_q, kv_len, left, right, bottom_right,
+                      interior(start_q, start_n, n_q, kv_len, left, right, bottom_right),
+                      read_mask, read_bias, lane)
+        gradients(words, at, s, dp, dk_acc, dv_acc)
+
+    return kv_step
+
+
 def dkdv_kernel_source(spec):
     """The dK, dV kernel of variant `spec` as a Python function (for cuda.jit or
     compile_ptx), with flash_mma_bwd's dkdv arguments (MMA_DKDV_ARGS): one block per 64
@@ -250,14 +280,13 @@ def dkdv_kernel_source(spec):
     D, DV, QB, lay = spec.d, spec.dv, spec.qb, spec.layout
     STAGES_AT, STAGE = lay["stages_at"], lay["stage"]
     NB, DB, VB = QB // 8, D // 8, DV // 8  # n-blocks of S^T, of dK, of dV
-    K_AT, V_AT, DO_AT = lay["k_at"], lay["v_at"], lay["do_at"]
-    copy_block = make_copy_pair(BLOCK, D, DV, V_AT - K_AT)  # K and V
-    fetch_step = make_fetch_step(QB, D, DV, DO_AT)
-    scores, gradients = make_score_pair(spec, QB), make_kv_gradients(spec)
-    probabilities = make_tile_probabilities(spec)
-    interior, query_tiles = make_interior(QB), make_query_tiles(QB)
     READS, HAS_MASK = spec.reads_mask, spec.has_mask
     step_tile, reads_mask, head_steps, next_step = make_query_walk(HAS_MASK, QB)
+    K_AT = lay["k_at"]
+    copy_block = make_copy_pair(BLOCK, D, DV, lay["v_at"] - K_AT)  # K and V
+    fetch_step = make_fetch_step(QB, D, DV, lay["do_at"], step_tile)
+    kv_step, keep_stats, query_tiles = make_kv_step(spec), make_keep_stats(QB), \
+        make_query_tiles(QB)
     ENDS = THREADS if HAS_MASK else 1  # slots of make_query_walk's ends
     store = CONVERTERS[spec.grads_dtype][1]
     store_dk, store_dv = make_store_rows(D, store), make_store_rows(DV, store)
@@ -275,36 +304,33 @@ def dkdv_kernel_source(spec):
         ends = cuda.shared.array(ENDS, int64)  # make_query_walk's: the thread's own slot
 
         tid = cuda.threadIdx.x
-        lane = tid % 32
         base = warpgroup.aligned_index(words, GROUP_BYTES)  # the swizzle's alignment
         heads_q, heads_k, n_k = q.shape[1], k.shape[1], k.shape[2]
         d, d_v = q.shape[3], v.shape[3]
         bhk, tile = grid_order(right >= 0)  # as flash_mma_bwd's (schedule.launch_order)
         b, hk = bhk // heads_k, bhk % heads_k
         start_n = tile * BLOCK
-        key0 = start_n + tid // 32 * 16 + lane // 4  # the thread's keys: key0 and key0 + 8
+        key0 = start_n + tid // 32 * 16 + tid % 32 // 4  # the thread's keys: key0, key0 + 8
         kv_len = int64(kv_lengths[b])
         zero(dk_acc)
         zero(dv_acc)
         first_q, tiles = query_tiles(start_n, n_q, kv_len, left, right, bottom_right)
-        if deferred_block(deferred, b, hk, tile, q_flags, dout_flags, int64(hk) * group,
-                          group, first_q, min(first_q + tiles * QB, n_q) - 1, tid, False):
+        last_q, h0, h_end = first_q + tiles * QB, int64(hk) * group, (int64(hk) + 1) * group
+        if deferred_block(deferred, b, hk, tile, q_flags, dout_flags, h0, group, first_q,
+                          min(last_q, n_q) - 1, tid, False):
             return  # a tile holds a NaN or an inf: flash_mma_bwd's nonfinite variant
         if start_n < kv_len:  # else every key of the block is hidden: dK = dV = 0
             copy_block(words, base + K_AT, k, v, (int64(b) * heads_k + hk) * n_k, start_n,
                        kv_len, d, d_v)
-            cb, h_end = b * mask_steps[0], (int64(hk) + 1) * group
-            last_q = first_q + tiles * QB
-            biased = READS and bias_given(bias, bias_steps)
-            # the next step to copy: head h_next's step t_next
-            h_next, t_next = head_steps(visible, cb, mask_steps, tile, int64(hk) * group,
-                                        h_end, first_q, last_q, ends, tid)
-            if h_next < h_end:  # the first step's query tile, into stage 0
-                lse_next, delta_next = fetch_step(
-                    words, base + STAGES_AT, q, dout, lse_in, delta, b, heads_q, h_next,
-                    step_tile(visible, cb, h_next * mask_steps[1], tile, t_next), n_q, d, d_v)
-                if tid < QB:
-                    stats[0, 0, tid], stats[0, 1, tid] = lse_next, delta_next
+            cb, biased = b * mask_steps[0], READS and bias_given(bias, bias_steps)
+            # the next step to copy: head h_next's step t_next; the first into stage 0
+            h_next, t_next = head_steps(visible, cb, mask_steps, tile, h0, h_end, first_q,
+                                        last_q, ends, tid)
+            if h_next < h_end:
+                lse_next, delta_next = fetch_step(words, base + STAGES_AT, q, dout, lse_in,
+                                                  delta, b, heads_q, h_next, visible, cb,
+                                                  mask_steps, tile, t_next, n_q, d, d_v)
+                keep_stats(stats, 0, lse_next, delta_next, tid)
             stage = 0
             while h_next < h_end:  # the group's heads in order, their steps in order
                 h, t = h_next, t_next
@@ -312,32 +338,22 @@ def dkdv_kernel_source(spec):
                 partial = READS and reads_mask(visible, cb, h * mask_steps[1], tile, t)
                 h_next, t_next = next_step(visible, cb, mask_steps, tile, h, t, h_end,
                                            first_q, last_q, ends, tid)
-                warp.cp_async_wait(0)  # this thread's copies of this tile (and K, V) landed
-                warpgroup.fence_proxy_async()  # visible to wgmma's reads
-                # Barrier: every thread's copies of this tile (and its statistics) have landed,
-                # and the other stage's products are done: the next copy overwrites it.
-                cuda.syncthreads()
+                stage_landed()  # this tile, its statistics, K and V; the other stage free
                 lse_next, delta_next = float32(0.0), float32(0.0)
                 if h_next < h_end:  # the next step's tile, into the other stage
                     lse_next, delta_next = fetch_step(
                         words, base + STAGES_AT + (1 - stage) * STAGE, q, dout, lse_in, delta,
-                        b, heads_q, h_next,
-                        step_tile(visible, cb, h_next * mask_steps[1], tile, t_next), n_q, d,
-                        d_v)
-                at = base + STAGES_AT + stage * STAGE
-                scores(words, base + K_AT, at, base + V_AT, at + DO_AT, s, dp)  # S^T, dP^T
-                probabilities(s, dp, stats, stage, qk_scale, mask, bias, mask_steps,
-                              bias_steps, b, h, key0, start_q, n_q, kv_len, left, right,
-                              bottom_right, interior(start_q, start_n, n_q, kv_len, left,
-                                                     right, bottom_right),
-                              partial, biased, lane)
-                gradients(words, at, s, dp, dk_acc, dv_acc)
-                if tid < QB:  # the next tile's statistics, their loads' latency hidden above
-                    stats[1 - stage, 0, tid], stats[1 - stage, 1, tid] = lse_next, delta_next
+                        b, heads_q, h_next, visible, cb, mask_steps, tile, t_next, n_q, d, d_v)
+                kv_step(words, base, base + STAGES_AT + stage * STAGE, s, dp, dk_acc, dv_acc,
+                        stats, stage, qk_scale, mask, bias, mask_steps, bias_steps, b, h, key0,
+                        start_n, start_q, n_q, kv_len, left, right, bottom_right, partial,
+                        biased, tid % 32)
+                # the next tile's statistics, their loads' latency hidden by the step
+                keep_stats(stats, 1 - stage, lse_next, delta_next, tid)
                 stage = 1 - stage
             warp.cp_async_wait(0)  # no copy outlives the block (where no step was walked)
-        store_dk(dk, dk_acc, b, hk, key0, n_k, d, scale, lane)
-        store_dv(dv, dv_acc, b, hk, key0, n_k, d_v, float32(1.0), lane)
+        store_dk(dk, dk_acc, b, hk, key0, n_k, d, scale, tid % 32)
+        store_dv(dv, dv_acc, b, hk, key0, n_k, d_v, float32(1.0), tid % 32)
 
     return check_parameters(wgmma_dkdv, tuple(a[0] for a in MMA_DKDV_ARGS))
 
@@ -436,9 +452,7 @@ def dq_kernel_source(spec):
         for t in range(t0, t1, WALK_STEP):
             start_n = tile_start(visible, cb, ch, tile, t, t1, last)
             following = tile_start(visible, cb, ch, tile, t + WALK_STEP, t1, last)
-            warp.cp_async_wait(0)  # this thread's copies of this tile (and Q, dO) landed
-            warpgroup.fence_proxy_async()  # visible to wgmma's reads
-            cuda.syncthreads()  # Barrier: every thread's are; the other stage is free.
+            stage_landed()  # this tile, Q and dO; the other stage free
             if following < last:  # the next key tile, into the other stage
                 copy_step(words, base + STAGES_AT + (1 - stage) * STAGE, k, v, kv_at,
                           following, last, d, d_v)

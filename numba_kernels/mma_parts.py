@@ -23,6 +23,23 @@ THREADS = 32 * WARPS
 PAD = 8  # 16-bit values after each shared row
 
 
+class TensorCoreVariant:
+    """What a tensor-core kernel's variant (flash_mma's MmaSpec, flash_mma_bwd's MmaBwdSpec,
+    flash_wgmma's WgmmaSpec, flash_wgmma_bwd's WgmmaBwdSpec: dataclasses with the fields
+    dtype, has_mask and full_tiles) derives from its fields."""
+
+    @property
+    def halves(self):
+        """Whether each operand is two float16 halves (float32 inputs)."""
+        return self.dtype == "float32"
+
+    @property
+    def reads_mask(self):
+        """Whether the variant reads the mask and the bias (with a mask, not full_tiles: a
+        block mask alone, whose listed tiles are FULL)."""
+        return self.has_mask and not self.full_tiles
+
+
 def halves_ship(dtype, has_mask, d, d_v):
     """Whether the float32 (halves) kernels, forward and backward alike, take a call: not
     with a mask or bias above head dims of HALVES_MASK_WIDTH, where the backward's registers
