@@ -43,10 +43,11 @@ barrier for other threads' stores); wgmma_fence before the first wgmma that read
 written since; wgmma_commit closes a group of issued products; wgmma_wait(n) returns when at
 most n groups are still pending, and only then do the accumulators hold the result. The
 simulator computes a product when it is issued (the earliest the hardware may read its
-operands) and checks, when wgmma_wait retires its group, that none of the shared words it
-read has changed or has a cp.async in flight into it (the hardware may read them until
-then): a kernel that overwrites an operand before waiting raises there, where the simulated
-threads run in an order that shows it. One that reads the accumulators before waiting reads
+operands) and checks, when the first of the warpgroup's threads to wait for its group
+retires it, that none of the shared words it read has changed or has a cp.async in flight
+into it (the hardware may read them until then): a kernel that overwrites an operand before
+any thread has waited raises there, where the simulated threads run in an order that shows
+it. One that reads the accumulators before waiting reads
 the result here and garbage there.
 
 setmaxnreg_dec(n) / setmaxnreg_inc(n) (n a literal, a multiple of 8 from 24 to 256): every
@@ -56,6 +57,7 @@ compiled for a known register count (launch bounds: compile_cache.jit's launch_b
 simulator checks n and does nothing else.
 """
 import threading
+import weakref
 
 import numpy as np
 from numba import cuda
@@ -206,23 +208,39 @@ if SIMULATOR:
 
     def wgmma_commit():
         groups = _groups()
-        groups["committed"].append(groups["open"])
-        groups["open"] = []
+        op = _group_op(groups["count"])
+        with _ops_lock:
+            if not op["retired"]:  # else a thread has waited for it: it is done
+                op["records"].extend(groups["open"])
+        groups["committed"].append(groups["count"])
+        groups["open"], groups["count"] = [], groups["count"] + 1
 
     def wgmma_wait(n):
-        """Retire all but the n newest committed groups, checking that no shared word
-        their products read has changed since they were issued."""
+        """Retire all but the n newest committed groups. A group is the warpgroup's: the
+        first of its threads to retire it checks that no shared word its products read (as
+        far as they were issued) has changed since, nor has a cp.async in flight into it;
+        once one thread's wait has returned, the group is done for all."""
         committed = _groups()["committed"]
         while len(committed) > n:
-            for words, index, seen in committed.pop(0):
-                changed = np.flatnonzero((np.asarray(words)[index] != seen)
-                                         | warp.copies_in_flight(words, index))
-                if changed.size:
-                    raise RuntimeError(
-                        f"wgmma_wait: shared word {int(index.reshape(-1)[changed[0]])} that a "
-                        "product of this group reads changed, or has a cp.async in flight "
-                        "into it, before the group was waited for (the GPU may read an "
-                        "operand until wgmma_wait retires its group)")
+            op = _group_op(committed.pop(0))
+            with _ops_lock:  # (the others' waits return once the check is done)
+                first = op["retired"] == 0
+                op["retired"] += 1
+                if op["retired"] == op["threads"]:
+                    del op["ops"][op["key"]]
+                if first:
+                    _check_operands(op["records"])
+
+    def _check_operands(records):
+        for words, index, seen in records:
+            changed = np.flatnonzero((np.asarray(words)[index] != seen)
+                                     | warp.copies_in_flight(words, index))
+            if changed.size:
+                raise RuntimeError(
+                    f"wgmma_wait: shared word {int(index.reshape(-1)[changed[0]])} that a "
+                    "product of this group reads changed, or has a cp.async in flight into "
+                    "it, before the group was waited for (the GPU may read an operand until "
+                    "wgmma_wait retires its group)")
 
     def setmaxnreg_inc(n):
         check_registers(n)
@@ -231,14 +249,30 @@ if SIMULATOR:
         check_registers(n)
 
     _THREAD_GROUPS = threading.local()  # per simulated thread: its wgmma groups
+    # a launch's fake cuda module -> {(block, warpgroup, group number): the group (_group_op)}
+    _ops, _ops_lock = weakref.WeakKeyDictionary(), threading.Lock()
 
     def _groups():
-        """This thread's products since its last wgmma_commit ("open") and its committed
-        groups not yet retired, oldest first: each product's shared operands as read."""
+        """This thread's products since its last wgmma_commit ("open": each product's shared
+        operands as read), the numbers of its committed groups not yet retired, oldest
+        first, and how many it has committed ("count")."""
         groups = _THREAD_GROUPS.__dict__
         if "open" not in groups:
-            groups.update(open=[], committed=[])
+            groups.update(open=[], committed=[], count=0)
         return groups
+
+    @device_function
+    def _group_op(number):
+        """The warpgroup's group `number` (every thread of it commits the same groups in the
+        same order): its threads' records, how many threads have retired it, of how many."""
+        group = cuda.threadIdx.x // WARPGROUP
+        key = (cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z, group, number)
+        with _ops_lock:
+            ops = _ops.setdefault(cuda, {})  # (cuda: the launch's fake module)
+            if key not in ops:
+                ops[key] = dict(records=[], retired=0, ops=ops, key=key, threads=min(
+                    WARPGROUP, cuda.blockDim.x - group * WARPGROUP))
+            return ops[key]
 
     @device_function
     def _thread():
