@@ -62,6 +62,48 @@ def test_the_wgmma_backward_is_the_mma_backward_bit_for_bit(name):
         assert all(np.isfinite(g[0, 0, 4:]).all() for g in got[1:])
 
 
+def _gradients_not_waited_for(spec):
+    """A broken make_kv_gradients: dK/dV's gradient chains issued and not waited for (the
+    next step's score chains' wait retires them), their accumulators stored at once."""
+    from numba_kernels import flash_wgmma_bwd, warpgroup
+    from numba_kernels.common import kernel_part
+
+    _, mma_regs_mn, pack = flash_wgmma_bwd.instructions(spec)
+    issue_dv = flash_wgmma_bwd.make_pv(spec.dv, mma_regs_mn, pack, spec.qb)
+    issue_dk = flash_wgmma_bwd.make_pv(spec.d, mma_regs_mn, pack, spec.qb)
+    DO_AT = spec.layout["do_at"]
+
+    @kernel_part
+    def gradients(words, at, s, dp, dk_acc, dv_acc):
+        dv_new = issue_dv(words, at + DO_AT, s, dv_acc)
+        dk_new = issue_dk(words, at, dp, dk_acc)
+        warpgroup.fragment_store(dv_acc, dv_new)
+        warpgroup.fragment_store(dk_acc, dk_new)
+
+    return gradients
+
+
+@pytest.mark.long
+@pytest.mark.skipif(not SIMULATOR, reason="the simulator's ordering check")
+def test_a_step_that_does_not_wait_for_its_gradient_products_raises(monkeypatch):
+    """The step after next copies its Q and dO tiles into the stage the gradient chains
+    read: a step that does not wait for them is wrong on a GPU whenever the copy lands
+    first. The simulator computes them when issued, so the gradients come out right there;
+    warpgroup.wgmma_wait's check must stop it (every thread reads every 16-byte chunk of the
+    tiles, so the first thread to retire the chains sees its own copy in flight)."""
+    from numba_kernels import flash_wgmma_bwd
+
+    monkeypatch.setattr(flash_wgmma_bwd, "make_kv_gradients", _gradients_not_waited_for)
+    flash_wgmma_bwd.wgmma_bwd_kernel.cache_clear()
+    (q, k, v, dout), options = _inputs(1, 1, 1, 192, 64, 16, 16, "float16", {})  # 3 steps
+    out, lse = flash_attention(q, k, v, return_lse=True, kernel="wgmma", **options)
+    try:
+        with pytest.raises(RuntimeError, match="before the group was waited for"):
+            flash_attention_backward(q, k, v, out, lse, dout, kernel="wgmma", **options)
+    finally:
+        flash_wgmma_bwd.wgmma_bwd_kernel.cache_clear()
+
+
 def _launched(monkeypatch, *args, **options):
     """The tensor-core backward kernels a call launches, as (kind, part, nonfinite)."""
     ran = []
